@@ -1,0 +1,150 @@
+"""Per-step attention metadata: which KV slots each token writes and which keys each reads.
+
+A step runs a flat list of T tokens. Sequences with one new token (decodes, or
+a one-token chunk) come first and are attended as one padded batch; each
+sequence with more new tokens (a prefill chunk) is attended on its own.
+
+Full-attention layers: new K/V are written into the sequence's pages first, then
+each query reads keys [0, its position] through the page table.
+Sliding-window layers: each query reads the sequence's ring as it was before the
+step (positions num_computed-window .. num_computed-1) plus the step's new keys,
+masked to the window (key visible iff q - window < k <= q); afterwards the last
+`window` new tokens are written into the ring.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class PrefillMeta:
+    start: int  # first token index in the step's flat batch
+    length: int  # new tokens
+    pages: torch.Tensor  # [num_pages] covering positions [0, num_computed + length)
+    mask: torch.Tensor | None  # [length, ctx] bool, full layers (None: plain causal from 0)
+    swa_slot: int
+    swa_mask: torch.Tensor | None  # [length, window + length] bool
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    write_page: torch.Tensor  # [T] page id per token (full layers)
+    write_off: torch.Tensor  # [T] offset within the page
+    num_decode: int  # B: the first B tokens are one-token sequences
+    dec_pages: torch.Tensor | None  # [B, Pmax] page table (padded with page 0)
+    dec_mask: torch.Tensor | None  # [B, 1, 1, Pmax * page_size] bool
+    dec_slots: torch.Tensor | None  # [B] SWA slots
+    dec_swa_mask: torch.Tensor | None  # [B, 1, 1, window + 1] bool
+    prefills: list[PrefillMeta]
+    swa_write_slot: torch.Tensor | None  # [Nw] ring writes after attention
+    swa_write_idx: torch.Tensor | None  # [Nw] ring index (position % window)
+    swa_write_tok: torch.Tensor | None  # [Nw] token index in the flat batch
+    logits_indices: torch.Tensor  # [S] token index whose logits are sampled
+    window: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def _ring_mask(num_computed: int, q_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[len(q_pos), window + len(q_pos)] visibility of (old ring, new keys) for queries q_pos."""
+    r = torch.arange(window)
+    base = num_computed - 1
+    ring_pos = base - torch.remainder(base - r, window)  # position held at ring index r
+    n = q_pos.shape[0]
+    new_pos = torch.arange(num_computed, num_computed + n)
+    key_pos = torch.cat([ring_pos, new_pos])
+    valid = torch.cat([ring_pos >= 0, torch.ones(n, dtype=torch.bool)])
+    q = q_pos.unsqueeze(1)
+    return valid & (key_pos <= q) & (key_pos > q - window)
+
+
+def _decode_ring_mask(nc: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, window + 1]: _ring_mask for one query at position nc[b], vectorised over b."""
+    base = (nc - 1).unsqueeze(1)
+    ring_pos = base - torch.remainder(base - torch.arange(window), window)
+    ring_ok = (ring_pos >= 0) & (ring_pos > nc.unsqueeze(1) - window)
+    return torch.cat([ring_ok, torch.ones(nc.shape[0], 1, dtype=torch.bool)], dim=1)
+
+
+def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, window: int,
+                        needs_logits: list[bool], device: torch.device) -> ForwardBatch:
+    """Flatten `scheduled` (one-token entries first) into tensors for one model step.
+
+    Precondition: every sequence has pages for num_computed + n tokens and, for
+    sliding models, an SWA slot.
+    """
+    ids: list[int] = []
+    pos: list[int] = []
+    wpage: list[int] = []
+    woff: list[int] = []
+    logits_idx: list[int] = []
+    dec_tables: list[list[int]] = []
+    dec_ctx: list[int] = []
+    dec_slots: list[int] = []
+    prefills: list[PrefillMeta] = []
+    sw_slot: list[int] = []
+    sw_idx: list[int] = []
+    sw_tok: list[int] = []
+    num_decode = 0
+    for (seq, n), want_logits in zip(scheduled, needs_logits):
+        start = len(ids)
+        nc = seq.num_computed
+        toks = seq.token_ids[nc:nc + n]
+        ids.extend(toks)
+        positions = range(nc, nc + n)
+        pos.extend(positions)
+        pages = seq.pages
+        wpage.extend(pages[p // page_size] for p in positions)
+        woff.extend(p % page_size for p in positions)
+        if want_logits:
+            logits_idx.append(start + n - 1)
+        if window:
+            for j in range(max(0, n - window), n):
+                sw_slot.append(seq.swa_slot)
+                sw_idx.append((nc + j) % window)
+                sw_tok.append(start + j)
+        ctx = nc + n
+        num_ctx_pages = -(-ctx // page_size)
+        if n == 1:
+            assert len(prefills) == 0, "one-token sequences must come first"
+            num_decode += 1
+            dec_tables.append(pages[:num_ctx_pages])
+            dec_ctx.append(ctx)
+            if window:
+                dec_slots.append(seq.swa_slot)
+        else:
+            q_pos = torch.arange(nc, ctx)
+            full_mask = None
+            if nc > 0:
+                full_mask = torch.arange(ctx).unsqueeze(0) <= q_pos.unsqueeze(1)
+            prefills.append(PrefillMeta(
+                start=start, length=n, pages=torch.tensor(pages[:num_ctx_pages], dtype=torch.long),
+                mask=full_mask, swa_slot=seq.swa_slot if window else -1,
+                swa_mask=_ring_mask(nc, q_pos, window) if window else None))
+    dec_pages = dec_mask = dec_slot_t = dec_swa_mask = None
+    if num_decode:
+        pmax = max(len(t) for t in dec_tables)
+        dec_pages = torch.tensor([t + [0] * (pmax - len(t)) for t in dec_tables], dtype=torch.long)
+        dec_mask = (torch.arange(pmax * page_size).unsqueeze(0)
+                    < torch.tensor(dec_ctx).unsqueeze(1))[:, None, None, :]
+        if window:
+            dec_slot_t = torch.tensor(dec_slots, dtype=torch.long)
+            dec_swa_mask = _decode_ring_mask(torch.tensor(dec_ctx) - 1, window)[:, None, None, :]
+    to = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
+    for p in prefills:
+        p.pages, p.mask, p.swa_mask = to(p.pages), to(p.mask), to(p.swa_mask)
+    lt = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return ForwardBatch(
+        input_ids=lt(ids), positions=lt(pos), write_page=lt(wpage), write_off=lt(woff),
+        num_decode=num_decode, dec_pages=to(dec_pages), dec_mask=to(dec_mask), dec_slots=to(dec_slot_t),
+        dec_swa_mask=to(dec_swa_mask), prefills=prefills,
+        swa_write_slot=lt(sw_slot) if window else None, swa_write_idx=lt(sw_idx) if window else None,
+        swa_write_tok=lt(sw_tok) if window else None, logits_indices=lt(logits_idx), window=window)

@@ -1,0 +1,69 @@
+"""Paged attention over the KV pool, driven by a ForwardBatch (see engine/forward_batch.py)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVPool
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, causal: bool = False):
+    """q [.., H, Lq, D], k/v [.., KVH, Lk, D] -> [.., H, Lq, D] (grouped-query aware)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[-3] != k.shape[-3])
+
+
+class PagedAttention(torch.nn.Module):
+    """Attention for one layer: writes the step's K/V and reads the context from the pool."""
+
+    def __init__(self, layer_id: int, sliding: bool, scale: float) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.sliding = sliding
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch, pool: KVPool):
+        """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
+        if self.sliding:
+            return self._sliding(q, k, v, fb, pool)
+        li = pool.layer_index[self.layer_id]
+        layer = pool.full[:, li]  # [P, 2, page_size, KVH, D] view
+        layer[fb.write_page, 0, fb.write_off] = k
+        layer[fb.write_page, 1, fb.write_off] = v
+        out = torch.empty_like(q)
+        b = fb.num_decode
+        if b:
+            g = layer[fb.dec_pages]  # [B, Pmax, 2, page_size, KVH, D]
+            kv = g.transpose(2, 1).flatten(2, 3).transpose(2, 3)  # [B, 2, KVH, Pmax*ps, D]
+            o = _sdpa(q[:b].unsqueeze(2), kv[:, 0], kv[:, 1], fb.dec_mask, self.scale)  # [B, H, 1, D]
+            out[:b] = o.squeeze(2)
+        for p in fb.prefills:
+            s, n = p.start, p.length
+            g = layer[p.pages]  # [np, 2, ps, KVH, D]
+            ctx = n if p.mask is None else p.mask.shape[1]
+            kv = g.transpose(0, 1).flatten(1, 2)[:, :ctx].transpose(1, 2)  # [2, KVH, ctx, D]
+            o = _sdpa(q[s:s + n].transpose(0, 1), kv[0], kv[1], p.mask, self.scale, causal=p.mask is None)
+            out[s:s + n] = o.transpose(0, 1)
+        return out
+
+    def _sliding(self, q, k, v, fb: ForwardBatch, pool: KVPool):
+        li = pool.layer_index[self.layer_id]
+        ring = pool.swa[:, li]  # [S, 2, W, KVH, D] view
+        out = torch.empty_like(q)
+        b = fb.num_decode
+        if b:
+            old = ring[fb.dec_slots]  # [B, 2, W, KVH, D]
+            kk = torch.cat([old[:, 0], k[:b].unsqueeze(1)], dim=1).transpose(1, 2)  # [B, KVH, W+1, D]
+            vv = torch.cat([old[:, 1], v[:b].unsqueeze(1)], dim=1).transpose(1, 2)
+            out[:b] = _sdpa(q[:b].unsqueeze(2), kk, vv, fb.dec_swa_mask, self.scale).squeeze(2)
+        for p in fb.prefills:
+            s, n = p.start, p.length
+            old = ring[p.swa_slot]  # [2, W, KVH, D]
+            kk = torch.cat([old[0], k[s:s + n]]).transpose(0, 1)  # [KVH, W+n, D]
+            vv = torch.cat([old[1], v[s:s + n]]).transpose(0, 1)
+            out[s:s + n] = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, p.swa_mask, self.scale).transpose(0, 1)
+        # Only after every query of the step has read the old ring.
+        ring[fb.swa_write_slot, 0, fb.swa_write_idx] = k[fb.swa_write_tok]
+        ring[fb.swa_write_slot, 1, fb.swa_write_idx] = v[fb.swa_write_tok]
+        return out

@@ -1,0 +1,245 @@
+"""The engine loop: admit requests, step the scheduler and runner, check stops, emit outputs.
+
+Request life cycle:
+  1. add_request() validates and queues a Sequence (WAITING); add_imported()
+     queues one whose prompt KV was computed elsewhere (a decode-only rank).
+  2. step(): the scheduler picks running + newly admitted sequences under the
+     token budget (chunked prefill; preemption by recompute when pages run out).
+  3. The runner computes the step and samples one token for each sequence whose
+     last token was computed.
+  4. Stop checks: eos / stop ids / stop strings -> "stop"; max_tokens or the
+     context -> "length". A prefill-only sequence finishes after its first token
+     and carries its KV export (pages + SWA state) in the output.
+  5. Finished or aborted sequences free their pages and SWA slot at once.
+Roles: colocated = both; prefill-only = add_request(prefill_only=True);
+decode-only = add_imported() with the prefill side's KVExport.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import SwaState
+from engine.model_cache import cached_model_dir
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KVExport:
+    """A prompt's KV as the prefill side computed it: everything a decode side needs to continue.
+
+    pages: [num_pages, num_full_layers, 2, page_size, kvh, hd] covering positions [0, num_tokens).
+    """
+
+    num_tokens: int
+    pages: torch.Tensor
+    swa: SwaState | None
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new text since the last output
+    finished: bool
+    finish_reason: str | None = None
+    stop_str: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    kv_export: KVExport | None = field(default=None, repr=False)
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.model_dir = cached_model_dir(cfg.model)
+        model_cfg = ModelConfig.from_hf_dir(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.runner = ModelRunner(cfg, model_cfg, self.model_dir)
+        self.model_cfg = self.runner.model_cfg
+        self.pool = self.runner.pool
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler.on_admit = self._on_admit
+        self.seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._imports: dict[str, KVExport] = {}
+        self.eos_ids = frozenset(self.model_cfg.eos_token_ids)
+
+    # ---- admission -----------------------------------------------------------
+    def _validate(self, request_id: str, prompt_ids: list[int]) -> None:
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; this model's context is "
+                             f"{self.max_model_len} (prompt plus at least one new token)")
+        v = self.model_cfg.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= v:
+            raise ValueError(f"prompt token ids must be in [0, {v})")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    *, prefill_only: bool = False) -> None:
+        """Queue a request. Raises ValueError (nothing queued) on invalid input."""
+        prompt_ids = list(prompt_ids)
+        self._validate(request_id, prompt_ids)
+        seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only)
+        self._track(seq)
+
+    def add_imported(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
+                     params: SamplingParams, kv: KVExport) -> None:
+        """Queue a request whose prompt KV was computed elsewhere; decoding continues from output_ids."""
+        prompt_ids = list(prompt_ids)
+        self._validate(request_id, prompt_ids)
+        if kv.num_tokens != len(prompt_ids):
+            raise ValueError("kv export does not cover the prompt")
+        seq = Sequence(request_id, prompt_ids, params, output_ids=list(output_ids))
+        self._imports[request_id] = kv
+        self._track(seq)
+        det = self._detok[request_id]
+        for t in output_ids:
+            det.append(t)
+
+    def _track(self, seq: Sequence) -> None:
+        p = seq.params
+        self._detok[seq.request_id] = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_ids, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _on_admit(self, seq: Sequence) -> bool:
+        kv = self._imports.get(seq.request_id)
+        if kv is None:
+            return True
+        n = kv.pages.shape[0]
+        if n > self.pool.free_pages:
+            return False
+        seq.pages = self.pool.allocate(n)
+        self.pool.import_pages(seq.pages, kv.pages)
+        if kv.swa is not None:
+            self.pool.import_swa(seq.swa_slot, kv.swa)
+        seq.num_computed = kv.num_tokens
+        del self._imports[seq.request_id]
+        return True
+
+    # ---- the loop -------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort in any phase; idempotent. Frees the request's pages and slot at once."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        seq.finish_reason = FinishReason.ABORT
+        return self._finish(seq, [], "", None)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        rows, out = self.runner.execute(sched.scheduled)
+        if out is None:
+            return []
+        tokens = out.token_ids.tolist()
+        lps = tops_ids = tops_lp = None
+        if out.logprobs is not None:
+            lps, tops_ids, tops_lp = out.logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+        results = []
+        for i, seq in enumerate(rows):
+            tok = tokens[i]
+            seq.output_ids.append(tok)
+            lp = None
+            if seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                lp = [TokenLogprob(tok, lps[i], list(zip(tops_ids[i][:k], tops_lp[i][:k])))]
+            results.append(self._after_token(seq, tok, lp))
+        return results
+
+    def _after_token(self, seq: Sequence, tok: int, lp) -> RequestOutput:
+        p = seq.params
+        text, stop_str = self._detok[seq.request_id].append(tok)
+        reason = None
+        if stop_str is not None:
+            reason, seq.stop_str = FinishReason.STOP, stop_str
+        elif (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = FinishReason.STOP
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is None and not seq.prefill_only:
+            return self._output(seq, [tok], text, lp, finished=False)
+        seq.finish_reason = reason
+        export = None
+        if seq.prefill_only:
+            n = len(seq.prompt_ids)
+            pages = seq.pages[:self.pool.pages_for(n)]
+            swa = self.pool.export_swa(seq.swa_slot, n) if seq.swa_slot is not None else None
+            export = KVExport(n, self.pool.export_pages(pages), swa)
+        return self._finish(seq, [tok], text, lp, export)
+
+    def _finish(self, seq: Sequence, toks, text, lp, export=None) -> RequestOutput:
+        self.scheduler.finish(seq)
+        self._imports.pop(seq.request_id, None)
+        det = self._detok.pop(seq.request_id)
+        if seq.finish_reason is not FinishReason.STOP or seq.stop_str is None:
+            text += det.flush()
+        del self.seqs[seq.request_id]
+        return self._output(seq, toks, text, lp, finished=True, export=export)
+
+    def _output(self, seq, toks, text, lp, finished, export=None) -> RequestOutput:
+        reason = seq.finish_reason.value if (finished and seq.finish_reason) else None
+        return RequestOutput(seq.request_id, toks, text, finished, reason, seq.stop_str, lp,
+                             len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_prompt, export)
+
+    # ---- convenience ------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion as one batch; returns one merged output per prompt, in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{id(self)}-{i}-{self._counter()}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        merged = {rid: RequestOutput(rid, [], "", False) for rid in ids}
+        while any(not merged[r].finished for r in ids):
+            for o in self.step():
+                m = merged[o.request_id]
+                m.new_token_ids += o.new_token_ids
+                m.text += o.text
+                if o.logprobs:
+                    m.logprobs = (m.logprobs or []) + o.logprobs
+                m.finished, m.finish_reason, m.stop_str = o.finished, o.finish_reason, o.stop_str
+                m.prompt_tokens, m.completion_tokens, m.cached_tokens = \
+                    o.prompt_tokens, o.completion_tokens, o.cached_tokens
+                m.kv_export = o.kv_export
+        return [merged[r] for r in ids]
+
+    _n = 0
+
+    def _counter(self) -> int:
+        LLMEngine._n += 1
+        return LLMEngine._n
+
+    def stats(self) -> dict:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "pages_used": self.pool.used_pages, "pages_total": self.pool.num_pages,
+                "swa_slots_free": self.pool.free_slots}

@@ -1,0 +1,79 @@
+"""Loads the model, owns the KV pool, and runs one scheduled step: forward + sample."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.forward_batch import build_forward_batch
+from engine.kv_cache import KVPool
+from engine.models import build_model
+from engine.models.weights import WeightLoader
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """One model on one device with its KV pool. Not thread-safe."""
+
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, model_dir) -> None:
+        self.cfg = cfg
+        self.device = cfg.torch_device
+        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
+        if cfg.dtype == "float16" and self.device.type == "cpu":
+            raise ValueError("float16 is for CUDA; use bfloat16 or float32 on the CPU")
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        max_len = min(model_cfg.max_position, cfg.max_model_len or model_cfg.max_position)
+        page_bytes = KVPool.bytes_per_page(model_cfg, cfg.page_size, cfg.torch_dtype)
+        if page_bytes:
+            num_pages = int(cfg.kv_cache_gb * 2**30 // page_bytes)
+        else:  # no full-attention layer: pages are bookkeeping only
+            num_pages = cfg.max_num_seqs * -(-max_len // cfg.page_size)
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_gb={cfg.kv_cache_gb} holds no page of {page_bytes} bytes")
+        self.max_model_len = min(max_len, num_pages * cfg.page_size)
+        self.model_cfg = dataclasses.replace(model_cfg, max_position=self.max_model_len + 1)
+        t0 = time.perf_counter()
+        self.model = build_model(self.model_cfg, cfg.torch_dtype, self.device)
+        self.model.load_weights(WeightLoader(model_dir))
+        log.info("loaded %s (%s, %s) in %.1fs", model_dir, cfg.dtype, cfg.device, time.perf_counter() - t0)
+        self.pool = KVPool(self.model_cfg, cfg.page_size, num_pages, cfg.max_num_seqs, cfg.torch_dtype, self.device)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Run one step. Returns the sequences that got a token this step and their samples.
+
+        A sequence gets a token when this step computes its last uncomputed token.
+        Advances num_computed of every scheduled sequence.
+        """
+        needs = [seq.num_computed + n == seq.num_tokens for seq, n in scheduled]
+        fb = build_forward_batch(scheduled, self.cfg.page_size, self.pool.window, needs, self.device)
+        hidden = self.model(fb, self.pool)
+        for seq, n in scheduled:
+            seq.num_computed += n
+        rows = [seq for (seq, _), need in zip(scheduled, needs) if need]
+        if not rows:
+            return rows, None
+        logits = self.model.compute_logits(hidden)  # [S, V] float32
+        self._mask_early_stop(rows, logits)
+        batch = SamplingBatch.build([s.params for s in rows], [s.prompt_ids for s in rows],
+                                    [s.output_ids for s in rows], logits.shape[1], self.device)
+        return rows, self.sampler(logits, batch)
+
+    def _mask_early_stop(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        """min_tokens: stop tokens cannot be sampled before a row has min_tokens outputs."""
+        eos = self.model_cfg.eos_token_ids
+        for i, seq in enumerate(rows):
+            p = seq.params
+            if p.min_tokens and len(seq.output_ids) < p.min_tokens:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
+                if ids:
+                    logits[i, ids] = float("-inf")

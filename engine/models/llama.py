@@ -1,0 +1,98 @@
+"""Llama family: Llama (incl. llama3/linear rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Projections are fused at load (q|k|v into one matrix, gate|up into one) so a
+layer is four matmuls. Weight names follow Hugging Face checkpoints.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVPool
+from engine.layers.attention import PagedAttention
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.weights import WeightLoader
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, norm_cls=RMSNorm) -> None:
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = norm_cls(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm_cls(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        sliding = cfg.layer_types[layer_id] == "sliding_attention"
+        self.attn = PagedAttention(layer_id, sliding, cfg.scale)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2*KVH) * D]
+        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(fb.positions, q, k)
+        o = self.attn(q, k, v, fb, pool)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, act: str) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act = F.silu if act == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), fb, pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = {t: RotaryEmbedding(r, cfg.head_dim, cfg.max_position, dtype, device)
+                       for t, r in cfg.rope.items()}
+        with torch.device("meta"):  # materialised by load_weights
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary[cfg.layer_types[i]])
+                                        for i in range(cfg.num_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.to(dtype)
+        self.requires_grad_(False)
+        self.device = device
+
+    def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Returns hidden states [S, hidden] of the tokens at fb.logits_indices."""
+        x = self.embed_tokens(fb.input_ids)
+        for layer in self.layers:
+            x = layer(x, fb, pool)
+        return self.norm(x[fb.logits_indices])
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h).float()
+
+    def load_weights(self, loader: WeightLoader) -> None:
+        loader.load_into(self)

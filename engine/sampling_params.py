@@ -1,0 +1,73 @@
+"""Per-request sampling parameters, validated once at admission."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks of the sampler and of the stop checker.
+
+    temperature == 0 means greedy (argmax; top_p/top_k/min_p are then ignored).
+    top_k <= 0 means no top-k cut; top_p == 1 and min_p == 0 disable theirs.
+    repetition_penalty applies to prompt and output tokens (HF/vLLM semantics:
+    positive logits divided, negative multiplied); presence/frequency penalties
+    apply to output tokens only (OpenAI semantics).
+    seed: same seed and same inputs give the same tokens, whatever else is batched.
+    logprobs: None for none, else the number of top alternatives (0..20) returned
+    beside the chosen token's own logprob.
+    Raises ValueError naming the field on any invalid value.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+    # Per-request switch for the host prefix cache (issue: hicache).
+    prefix_cache: bool = True
+    include_stop_str_in_output: bool = False
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

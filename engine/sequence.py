@@ -1,0 +1,61 @@
+"""A request as the engine sees it: tokens, KV ownership, and status."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, stop token or stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    """Mutable per-request state owned by the engine loop.
+
+    num_computed: tokens of `token_ids` whose KV is in the cache (and SWA ring).
+    pages: the KV pages holding positions [i*page_size, (i+1)*page_size).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    num_cached_prompt: int = 0  # prompt tokens served from a prefix cache (usage.cached_tokens)
+    pages: list[int] = field(default_factory=list)
+    swa_slot: int | None = None
+    finish_reason: FinishReason | None = None
+    stop_str: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+    # Set when prefill-only: stop after the first sampled token (PD prefill rank).
+    prefill_only: bool = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
