@@ -126,7 +126,7 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", family == "gemma3"),
             layer_types=tuple(layer_types), rope=rope,
             sliding_window=sliding if "sliding_attention" in layer_types else None,
-            qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
             qk_norm=family == "gemma3" or arch == "Qwen3ForCausalLM",
             hidden_act=act, attn_scale=scale, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
         )

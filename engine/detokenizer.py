@@ -16,6 +16,14 @@ a few tokens long.
 On top of that sits the stop-string check, which works on characters: text
 that could still grow into a stop string is held back, and the output is cut
 exactly where the first stop string completes.
+
+NOTE (invalid byte streams): emitted text cannot be taken back, so where a
+decoder rewrites earlier text after the fact the deltas may differ from one
+decode of the whole output in how many U+FFFD they hold. Two such cases: ids
+still pending after _MAX_PENDING steps are emitted with their U+FFFD; and
+byte fallback (Gemma) decodes a run of byte tokens as a whole, so a valid
+character followed by stray bytes turns into U+FFFD in a full decode, while
+here the character was already emitted. Valid UTF-8 streams are unaffected.
 """
 from __future__ import annotations
 

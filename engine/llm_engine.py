@@ -202,8 +202,11 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self._imports.pop(seq.request_id, None)
         det = self._detok.pop(seq.request_id)
-        if seq.finish_reason is not FinishReason.STOP or seq.stop_str is None:
+        if seq.stop_str is None:
             text += det.flush()
+            # A stop string can complete only at flush (a held-back partial character).
+            if det.matched_stop is not None and seq.finish_reason is not FinishReason.ABORT:
+                seq.finish_reason, seq.stop_str = FinishReason.STOP, det.matched_stop
         del self.seqs[seq.request_id]
         return self._output(seq, toks, text, lp, finished=True, export=export)
 

@@ -102,3 +102,16 @@ def served_name(name_or_path: str) -> str:
         return name_or_path
     p = Path(name_or_path)
     return p.stem if p.suffix == ".gguf" else p.name
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Prepare models: convert GGUF to the cache once.")
+    ap.add_argument("models", nargs="*", default=list(EMBEDDED), help="names or paths (default: all embedded)")
+    for name in ap.parse_args().models:
+        print(f"{name}: {cached_model_dir(name)}")
+
+
+if __name__ == "__main__":
+    main()

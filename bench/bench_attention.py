@@ -1,0 +1,96 @@
+"""Decode attention: the paged CPU kernel next to the torch path the engine decodes with today.
+
+    .venv/bin/python bench/bench_attention.py [--batches 1 8 32 64] [--ctx 512 2048 8192] [--reps 7]
+
+For each model shape, batch size B and context length (every sequence at that
+length) it times one layer's decode attention over a bf16 pool laid out like the
+engine's (`[pages, layers, 2, page_size, KVH, D]`, layer view `pool[:, 0]`, pages
+shuffled) and prints the median of --reps runs:
+  kernel  engine.layers.paged_attention_op.paged_decode_attention
+  torch   the decode branch of PagedAttention.forward: gather the pages, reshape to
+          [B, KVH, L, D], repeat to H heads, contiguous, SDPA with a bool mask
+and speed-up = torch / kernel, plus the largest |kernel - torch| as a sanity check.
+Other processes on the machine add noise; the medians absorb some of it.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.paged_attention_op import paged_decode_attention
+
+MODELS = {  # name: (H, KVH, D)
+    "smollm2": (9, 3, 64),
+    "gemma3": (4, 1, 256),
+}
+PAGE_SIZE = 16
+NUM_LAYERS = 2  # >1 so the layer view is strided across pages, as in the engine
+
+
+def torch_decode(q: torch.Tensor, layer: torch.Tensor, pages: torch.Tensor, mask: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """q [B, H, D], layer [P, 2, ps, KVH, D], pages [B, Pmax], mask [B, 1, 1, Pmax*ps] -> [B, H, D]."""
+    g = layer[pages]  # [B, Pmax, 2, ps, KVH, D]
+    kv = g.transpose(2, 1).flatten(2, 3).transpose(2, 3)  # [B, 2, KVH, L, D]
+    groups = q.shape[1] // kv.shape[2]
+    k = kv[:, 0].repeat_interleave(groups, dim=1).contiguous()  # [B, H, L, D]
+    v = kv[:, 1].repeat_interleave(groups, dim=1).contiguous()
+    out = F.scaled_dot_product_attention(q[:, :, None].contiguous(), k, v, attn_mask=mask, scale=scale)
+    return out.squeeze(2)
+
+
+def median_ms(fn: Callable[[], torch.Tensor], reps: int) -> float:
+    fn()  # warm-up: builds the kernel on first use
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def bench_row(h: int, kvh: int, d: int, batch: int, ctx: int, reps: int) -> tuple[float, float, float]:
+    gen = torch.Generator().manual_seed(batch * 100_003 + ctx)
+    per_seq = -(-ctx // PAGE_SIZE)
+    num_pages = batch * per_seq + 1
+    pool = torch.randn(num_pages, NUM_LAYERS, 2, PAGE_SIZE, kvh, d, generator=gen).to(torch.bfloat16)
+    layer = pool[:, 0]  # [P, 2, ps, KVH, D], strided across pages
+    pages = torch.randperm(num_pages, generator=gen)[: batch * per_seq].view(batch, per_seq)
+    ctx_lens = torch.full((batch,), ctx, dtype=torch.long)
+    mask = (torch.arange(per_seq * PAGE_SIZE) < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    q = torch.randn(batch, h, d, generator=gen).to(torch.bfloat16)
+    scale = d ** -0.5
+    kernel = median_ms(lambda: paged_decode_attention(q, layer, pages, ctx_lens, scale), reps)
+    ref = median_ms(lambda: torch_decode(q, layer, pages, mask, scale), reps)
+    diff = (paged_decode_attention(q, layer, pages, ctx_lens, scale).float()
+            - torch_decode(q, layer, pages, mask, scale).float()).abs().max().item()
+    return kernel, ref, diff
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+    ap.add_argument("--ctx", nargs="+", type=int, default=[512, 2048, 8192])
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, page_size {PAGE_SIZE}, "
+          f"median of {args.reps}")
+    print("| model | H/KVH/D | B | ctx | kernel ms | torch ms | speed-up | max abs diff |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name in args.models:
+        h, kvh, d = MODELS[name]
+        for batch in args.batches:
+            for ctx in args.ctx:
+                kernel, ref, diff = bench_row(h, kvh, d, batch, ctx, args.reps)
+                print(f"| {name} | {h}/{kvh}/{d} | {batch} | {ctx} | {kernel:.3f} | {ref:.3f} | "
+                      f"{ref / kernel:.1f}x | {diff:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Decode attention (one query token per sequence) straight from the paged KV pool.
+
+The CPU kernel is `csrc/paged_attention.cpp`; it reads K/V rows in place through
+the page table, so no `[B, KVH, L, D]` copy of the context is ever made. It
+registers `torch.ops.pdserve.paged_decode_attention`. The first call JIT-builds it
+for this machine (`-march=native`) into
+`$PDSERVE_CACHE_DIR/kernels/paged_attention_cpu-<hash>`, keyed by a hash of the
+source, the flags, the torch version and the CPU model, so an edit or another
+machine rebuilds; later processes load the cached library. CUDA tensors take the
+plain-torch path (`reference_decode_attention`).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+from engine.model_cache import cache_root
+
+_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_SOURCE = "paged_attention.cpp"
+# -fopenmp: at::parallel_for is header code over OpenMP; without it the kernel runs
+# on one thread. The extension shares torch's already-loaded libgomp.so.1.
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+
+
+def _check_compiler() -> None:
+    # torch.utils.cpp_extension compiles with $CXX, else `c++`.
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx.split()[0]) is None:
+        hint = " (g++ is installed: set CXX=g++)" if shutil.which("g++") else ""
+        raise RuntimeError(
+            f"engine.layers.paged_attention_op needs a C++ compiler to build its CPU kernel, "
+            f"but {cxx!r} ({'$CXX' if os.environ.get('CXX') else 'the default'}) was not found{hint}"
+        )
+
+
+def _cpu_id() -> str:
+    """The CPU model and feature flags: -march=native code is only valid where they match."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in keep}))
+
+
+@functools.cache
+def _load_ops() -> None:
+    """Build (or find cached) and load the kernel into torch.ops.pdserve."""
+    from torch.utils import cpp_extension
+
+    _check_compiler()
+    digest = hashlib.sha256((_CSRC / _SOURCE).read_bytes())
+    for part in (" ".join(_CFLAGS + _LDFLAGS), torch.__version__, _cpu_id()):
+        digest.update(b"\0" + part.encode())
+    build_dir = cache_root() / "kernels" / f"paged_attention_cpu-{digest.hexdigest()[:12]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="pdserve_paged_attention_cpu",
+        sources=[str(_CSRC / _SOURCE)],
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
+        build_directory=str(build_dir),
+        is_python_module=False,  # the library registers torch.ops.pdserve.paged_decode_attention
+    )
+
+
+def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+                           ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context; returns [B, H, D].
+
+    q: [B, H, D] with H a multiple of KVH, same dtype as kv (fp32, bf16 or fp16).
+    kv: [num_pages, 2, page_size, KVH, D] (dim 1: 0 = K, 1 = V), any strides for the
+        first three dims (e.g. `pool.full[:, layer]`, or `pool.swa[:, layer]` with a
+        ring slot as one page of size `window`); each [KVH, D] row block must be dense.
+    page_table: [B, max_pages] int32/int64; token t of sequence b is
+        `kv[page_table[b, t // page_size], :, t % page_size]`. Entries past a
+        sequence's last page are not read (padding may be anything).
+    ctx_lens: [B] int32/int64, 0 <= ctx_lens[b] <= max_pages * page_size; a 0 row
+        yields zeros.
+    Computes softmax(scale * q.k) @ v per head in fp32 and reads nothing else; mutates
+    nothing. Raises RuntimeError on bad shapes, dtypes, strides or page ids, or when
+    no C++ compiler can build the kernel.
+    """
+    if q.is_cuda or kv.is_cuda:
+        return reference_decode_attention(q, kv, page_table, ctx_lens, scale)
+    _load_ops()
+    return torch.ops.pdserve.paged_decode_attention(q, kv, page_table, ctx_lens, scale)
+
+
+def reference_decode_attention(q: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+                               ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain-torch `paged_decode_attention` (gather pages, mask, fp32 softmax); same contract."""
+    b, h, d = q.shape
+    kvh = kv.shape[3]
+    g = kv[page_table.long()].float()  # [B, Pmax, 2, ps, KVH, D]
+    g = g.transpose(1, 2).flatten(2, 3)  # [B, 2, L, KVH, D]
+    k = g[:, 0].permute(0, 2, 1, 3).repeat_interleave(h // kvh, dim=1)  # [B, H, L, D]
+    v = g[:, 1].permute(0, 2, 1, 3).repeat_interleave(h // kvh, dim=1)
+    scores = torch.einsum("bhd,bhld->bhl", q.float(), k) * scale
+    valid = torch.arange(k.shape[2], device=q.device) < ctx_lens.to(q.device).long()[:, None]  # [B, L]
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row (ctx 0) -> zeros
+    return torch.einsum("bhl,bhld->bhd", probs, v).to(q.dtype)
