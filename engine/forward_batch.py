@@ -13,7 +13,7 @@ masked to the window (key visible iff q - window < k <= q); afterwards the last
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,8 @@ class ForwardBatch:
     swa_write_tok: torch.Tensor | None  # [Nw] token index in the flat batch
     logits_indices: torch.Tensor  # [S] token index whose logits are sampled
     window: int
+    # Per rope type (layer type): (cos, sin) [T, 1, D] for this step's positions; set by the model.
+    rope: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -53,10 +53,13 @@ class PagedAttention(torch.nn.Module):
             out[:b] = o.squeeze(2)
         for p in fb.prefills:
             s, n = p.start, p.length
-            g = layer[p.pages]  # [np, 2, ps, KVH, D]
-            ctx = n if p.mask is None else p.mask.shape[1]
-            kv = g.transpose(0, 1).flatten(1, 2)[:, :ctx].transpose(1, 2)  # [2, KVH, ctx, D]
-            o = _sdpa(q[s:s + n].transpose(0, 1), kv[0], kv[1], p.mask, self.scale, causal=p.mask is None)
+            if p.mask is None:  # no earlier context: the step's own K/V are the whole context
+                kk, vv = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)  # [KVH, n, D]
+            else:
+                g = layer[p.pages]  # [np, 2, ps, KVH, D]
+                kv = g.transpose(0, 1).flatten(1, 2)[:, :p.mask.shape[1]].transpose(1, 2)  # [2, KVH, ctx, D]
+                kk, vv = kv[0], kv[1]
+            o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, p.mask, self.scale, causal=p.mask is None)
             out[s:s + n] = o.transpose(0, 1)
         return out
 

@@ -14,30 +14,33 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.layers.attention import PagedAttention
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from engine.models.weights import WeightLoader
+from engine.layers.rotary import apply_rotary
+from engine.models.base import DecoderLM
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, norm_cls=RMSNorm) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, norm_cls=RMSNorm) -> None:
         super().__init__()
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.q_norm = norm_cls(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = norm_cls(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
-        sliding = cfg.layer_types[layer_id] == "sliding_attention"
-        self.attn = PagedAttention(layer_id, sliding, cfg.scale)
+        self.layer_type = cfg.layer_types[layer_id]
+        self.attn = PagedAttention(layer_id, self.layer_type == "sliding_attention", cfg.scale)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2*KVH) * D]
-        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(fb.positions, q, k)
+        cos, sin = fb.rope[self.layer_type]
+        qk, v = qkv.split([(self.h + self.kvh) * self.d, self.kvh * self.d], dim=-1)
+        v = v.view(t, self.kvh, self.d)
+        if self.q_norm is None:  # rotate q and k in one go: [T, H + KVH, D]
+            q, k = apply_rotary(qk.view(t, self.h + self.kvh, self.d), cos, sin).split([self.h, self.kvh], dim=1)
+        else:
+            q, k = qk.split([self.h * self.d, self.kvh * self.d], dim=-1)
+            q = apply_rotary(self.q_norm(q.view(t, self.h, self.d)), cos, sin)
+            k = apply_rotary(self.k_norm(k.view(t, self.kvh, self.d)), cos, sin)
         o = self.attn(q, k, v, fb, pool)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
 
@@ -56,9 +59,9 @@ class GatedMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.self_attn = LlamaAttention(cfg, layer_id)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -68,31 +71,6 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.rotary = {t: RotaryEmbedding(r, cfg.head_dim, cfg.max_position, dtype, device)
-                       for t, r in cfg.rope.items()}
-        with torch.device("meta"):  # materialised by load_weights
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-            self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary[cfg.layer_types[i]])
-                                        for i in range(cfg.num_layers))
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.to(dtype)
-        self.requires_grad_(False)
-        self.device = device
-
-    def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """Returns hidden states [S, hidden] of the tokens at fb.logits_indices."""
-        x = self.embed_tokens(fb.input_ids)
-        for layer in self.layers:
-            x = layer(x, fb, pool)
-        return self.norm(x[fb.logits_indices])
-
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h).float()
-
-    def load_weights(self, loader: WeightLoader) -> None:
-        loader.load_into(self)
+class LlamaForCausalLM(DecoderLM):
+    layer_cls = LlamaDecoderLayer
+    norm_cls = RMSNorm

@@ -1,0 +1,55 @@
+"""The decoder-only skeleton both families share: embed -> layers -> final norm -> lm_head."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVPool
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.weights import WeightLoader
+
+
+class DecoderLM(nn.Module):
+    """Subclasses set `layer_cls`, `norm_cls` and may scale embeddings (`embed_scale`).
+
+    Built on the meta device; `load_weights` materialises every parameter. Rotary
+    tables (one per layer type) are computed, not loaded.
+    """
+
+    layer_cls: type[nn.Module]
+    norm_cls: type[nn.Module]
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.device = device
+        self.rotary = {t: RotaryEmbedding(r, cfg.head_dim, cfg.max_position, dtype, device)
+                       for t, r in cfg.rope.items()}
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
+            self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.to(dtype)
+        self.requires_grad_(False)
+        self.embed_scale: torch.Tensor | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Returns hidden states [S, hidden] of the tokens at fb.logits_indices."""
+        x = self.embed(fb.input_ids)
+        fb.rope = {t: r.tables(fb.positions) for t, r in self.rotary.items()}
+        for layer in self.layers:
+            x = layer(x, fb, pool)
+        return self.norm(x[fb.logits_indices])
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h).float()
+
+    def load_weights(self, loader: WeightLoader) -> None:
+        loader.load_into(self)
