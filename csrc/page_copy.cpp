@@ -7,22 +7,23 @@
 // shares, one per thread, so one large page also spreads over the threads.
 #include "page_copy.h"
 
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
-#include <system_error>
-#include <thread>
 #include <vector>
+
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#error "compile with -fopenmp: without it at::parallel_for runs on one thread"
+#endif
 
 namespace pdserve {
 namespace {
 
-// Each thread gets at least this many bytes, so a copy under 512 KiB stays on
-// the calling thread: starting a thread costs ~15 us, about what memcpy needs
-// for 256 KiB. Threads are started per call, not pooled: a pool's parked
-// threads would have to survive fork() and callers on several threads.
-constexpr int64_t kMinBytesPerThread = 256 * 1024;
+// Each thread gets at least this many bytes; smaller copies stay on the
+// calling thread, where waking a worker would cost about as much as the copy.
+constexpr int64_t kMinBytesPerThread = 128 * 1024;
 constexpr int64_t kShareAlign = 4096;  // thread shares start on 4 KiB boundaries
 
 struct Pool {
@@ -216,32 +217,20 @@ void copy_pages_cpu(
     total += runs[r].bytes;
   }
 
-  const int64_t nt = std::max<int64_t>(1, std::min(num_threads, total / kMinBytesPerThread));
+  // NOTE: the threads are torch's intra-op pool (OpenMP in this build), as for
+  // any torch CPU op: its workers spin briefly between regions, so a copy
+  // after other torch work starts without waking sleeping threads (starting a
+  // std::thread per call cost more than copying 1 MiB). A call from a second
+  // Python thread while the first runs torch ops gets a second team of
+  // workers: pass a small num_threads there to leave cores to the first.
+  const int64_t nt = std::max<int64_t>(
+      1, std::min({num_threads, static_cast<int64_t>(at::get_num_threads()), total / kMinBytesPerThread}));
   const auto share_begin = [&](int64_t t) {
     return t >= nt ? total : (total * t / nt) / kShareAlign * kShareAlign;
   };
-  const auto run_share = [&](int64_t t) {
-    copy_share(plan, runs, starts, share_begin(t), share_begin(t + 1));
-  };
-
-  std::vector<std::thread> workers;
-  workers.reserve(nt - 1);
-  int64_t t = 1;
-  try {
-    for (; t < nt; ++t) {
-      workers.emplace_back(run_share, t);
-    }
-  } catch (const std::system_error&) {
-    // NOTE: no thread could be started (resource limits); the calling thread
-    // copies the shares that have no worker.
-  }
-  for (int64_t rest = t; rest < nt; ++rest) {
-    run_share(rest);
-  }
-  run_share(0);
-  for (std::thread& w : workers) {
-    w.join();
-  }
+  at::parallel_for(0, nt, 1, [&](int64_t first, int64_t last) {
+    copy_share(plan, runs, starts, share_begin(first), share_begin(last));
+  });
 }
 
 }  // namespace pdserve

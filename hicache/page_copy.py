@@ -31,7 +31,7 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _CPU_SOURCES = ("page_copy.cpp",)
 _CUDA_SOURCES = ("page_copy.cpp", "page_copy.cu")
 _HEADERS = ("include/page_copy.h",)
-_CFLAGS = ("-O3",)
+_CFLAGS = ("-O3", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's intra-op pool
 # Beyond this many threads memcpy is bound by memory bandwidth, not cores.
 _MAX_DEFAULT_THREADS = 8
 
@@ -60,18 +60,21 @@ def _load_ops() -> None:
     with_cuda = torch.cuda.is_available()
     variant = "page_copy_cuda" if with_cuda else "page_copy_cpu"
     sources = _CUDA_SOURCES if with_cuda else _CPU_SOURCES
-    cflags = list(_CFLAGS) + (["-DPDSERVE_WITH_CUDA"] if with_cuda else [])
+    defines = ["-DPDSERVE_WITH_CUDA"] if with_cuda else []
+    cflags = [*_CFLAGS, *defines]
+    cuda_cflags = ["-O3", *defines]
     digest = hashlib.sha256()
     for rel in sources + _HEADERS:
         digest.update(rel.encode() + b"\0" + (_CSRC / rel).read_bytes())
-    digest.update(" ".join(cflags).encode() + torch.__version__.encode())
+    digest.update(" ".join(cflags + cuda_cflags).encode() + torch.__version__.encode())
     build_dir = cache_root() / "kernels" / f"{variant}-{digest.hexdigest()[:12]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=f"pdserve_{variant}",
         sources=[str(_CSRC / rel) for rel in sources],
         extra_cflags=cflags,
-        extra_cuda_cflags=["-O3"],
+        extra_cuda_cflags=cuda_cflags,
+        extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(_CSRC / "include")],
         build_directory=str(build_dir),
         is_python_module=False,  # the library registers torch.ops.pdserve.copy_pages
@@ -81,6 +84,8 @@ def _load_ops() -> None:
 def _as_index(idx: Index) -> torch.Tensor:
     if not isinstance(idx, torch.Tensor):
         return torch.as_tensor(idx, dtype=torch.int64)
+    if idx.dtype == torch.int64 and idx.device.type == "cpu":
+        return idx  # the common case; .to() alone costs ~2 us
     if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
         return idx  # the kernel rejects it with a message naming the dtype
     # NOTE: a CUDA index tensor is copied to the host, which syncs; the kernels
@@ -104,8 +109,9 @@ def copy_pages(
     int64 (lists or integer tensors; CUDA tensors are copied to the host first).
     `dst_idx` must not repeat a page and no dst page may overlap a src page.
 
-    Both pools on the CPU: copies on up to `num_threads` threads (default
-    `min(torch.get_num_threads(), 8)`) and returns when done. Either pool on a
+    Both pools on the CPU: copies on up to `num_threads` of torch's intra-op
+    threads (default `min(torch.get_num_threads(), 8)`) and returns when done;
+    the GIL is released meanwhile. Either pool on a
     CUDA device: enqueues a kernel on the current stream and returns; a host pool
     must be pinned (`pin_memory()`) or registered with `cudaHostRegisterMapped`,
     and the caller must keep `src`/`dst` alive and synchronize before reading

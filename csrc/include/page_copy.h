@@ -38,8 +38,8 @@ PageCopyPlan plan_page_copy(
     const at::Tensor& src_idx,
     const at::Tensor& dst_idx);
 
-// Both pools on the CPU. Copies on up to num_threads threads (>= 1); small
-// copies run on the calling thread.
+// Both pools on the CPU. Copies on up to num_threads (>= 1) of torch's
+// intra-op threads, at least 128 KiB each; small copies run on the caller.
 void copy_pages_cpu(
     const at::Tensor& src,
     const at::Tensor& dst,

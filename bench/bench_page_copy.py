@@ -2,7 +2,7 @@
 
 For each (pages, page size) it copies `pages` scattered pages (random ids, no
 runs of consecutive ids) between two pools and reports GB/s of page bytes moved
-(1 GB = 1e9 bytes), median of --reps runs, for:
+(1 GB = 1e9 bytes), median of --reps interleaved runs, for:
   kernel  copy_pages (threaded memcpy on the CPU; the mapped-pointer kernel on CUDA)
   torch   torch_copy_pages: dst[dst_idx] = src[src_idx]
   index   dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
@@ -29,7 +29,7 @@ KiB = 1024
 def pools(direction: str, pages: int, page_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(src, dst) pools of 2 * pages pages each, touched so page faults stay out of the timing."""
     def make(on_device: bool) -> torch.Tensor:
-        t = torch.ones(2 * pages, page_bytes, dtype=torch.uint8)
+        t = torch.ones(2 * pages, page_bytes // 2, dtype=torch.bfloat16)  # [pages, page elements]
         if on_device:
             return t.cuda()
         return t.pin_memory() if direction != "h2h" else t
@@ -39,18 +39,22 @@ def pools(direction: str, pages: int, page_bytes: int) -> tuple[torch.Tensor, to
     return make(src_dev), make(dst_dev)
 
 
-def median_seconds(fn: Callable[[], None], reps: int, cuda: bool) -> float:
-    fn()  # warm-up: builds the kernel on first use, faults in pages
-    times = []
+def median_seconds(cases: dict[str, Callable[[], None]], reps: int, cuda: bool) -> dict[str, float]:
+    """Median seconds per case; the cases take turns in each repetition so that
+    a burst of load from other processes hits all of them alike."""
+    for fn in cases.values():
+        fn()  # warm-up: builds the kernel on first use, faults in pages
+    times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in cases.items():
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def bench_row(direction: str, pages: int, page_bytes: int, reps: int) -> list[str]:
@@ -62,7 +66,8 @@ def bench_row(direction: str, pages: int, page_bytes: int, reps: int) -> list[st
     src_idx_dev = src_idx.to(src.device)
     dst_idx_dev = dst_idx.to(dst.device)
     total = pages * page_bytes
-    src_buf, dst_buf = src.view(-1)[:total], dst.view(-1)[total:2 * total]
+    src_buf = src.view(-1).view(torch.uint8)[:total]
+    dst_buf = dst.view(-1).view(torch.uint8)[total:2 * total]
 
     cases = {
         "kernel": lambda: copy_pages(src, dst, src_idx, dst_idx),
@@ -70,7 +75,7 @@ def bench_row(direction: str, pages: int, page_bytes: int, reps: int) -> list[st
         "index": lambda: dst.index_copy_(0, dst_idx_dev, src.index_select(0, src_idx_dev).to(dst.device)),
         "memcpy": lambda: dst_buf.copy_(src_buf, non_blocking=cuda),
     }
-    gbps = {name: total / median_seconds(fn, reps, cuda) / 1e9 for name, fn in cases.items()}
+    gbps = {name: total / sec / 1e9 for name, sec in median_seconds(cases, reps, cuda).items()}
     return [
         str(pages), str(page_bytes // KiB), f"{total / KiB / KiB:.2f}",
         *(f"{gbps[name]:.1f}" for name in cases), f"{gbps['kernel'] / gbps['memcpy']:.2f}",
