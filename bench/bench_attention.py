@@ -1,6 +1,6 @@
 """Decode attention: the paged CPU kernel next to the torch path the engine decodes with today.
 
-    .venv/bin/python bench/bench_attention.py [--batches 1 8 32 64] [--ctx 512 2048 8192] [--reps 7]
+    .venv/bin/python bench/bench_attention.py [--batches 1 8 32 64] [--ctx 512 2048 8192] [--reps 7] [--threads N]
 
 For each model shape, batch size B and context length (every sequence at that
 length) it times one layer's decode attention over a bf16 pool laid out like the
@@ -78,7 +78,10 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     ap.add_argument("--ctx", nargs="+", type=int, default=[512, 2048, 8192])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, page_size {PAGE_SIZE}, "
           f"median of {args.reps}")
     print("| model | H/KVH/D | B | ctx | kernel ms | torch ms | speed-up | max abs diff |")

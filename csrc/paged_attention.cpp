@@ -9,26 +9,27 @@
 //   ctx_lens   [B]                            int32 / int64; token t of sequence b
 //                                             is kv[page_table[b, t / ps], :, t % ps]
 //   out        [B, H, D]                      softmax(scale * q.k) @ v, q's dtype
+//   D must be a multiple of 32 and at most 512.
 //
 // A work item is (sequence, kv head, context chunk). It streams its tokens in
-// tiles of kTile: convert each K row to fp32 once, score it against all G = H / KVH
-// query heads of that kv head, update the running max / denominator (online
-// softmax), then convert each V row once and accumulate it into G fp32 rows.
-// When there are fewer (sequence, kv head) pairs than threads, long contexts are
-// cut into chunks whose partial softmax states are merged at the end (split-K,
-// "flash-decoding"). Threads pull items from a shared counter, so ragged context
-// lengths balance themselves.
+// tiles of kTile: score every K row against all G = H / KVH query heads of that kv
+// head, update the running max and denominator (online softmax), then add the
+// weighted V rows into G fp32 accumulators held in registers across the tile.
+// K/V rows are converted to fp32 as they are loaded; the next tile's rows are
+// prefetched while this one is read. When there are fewer (sequence, kv head)
+// pairs than threads, long contexts are cut into chunks whose partial softmax
+// states are merged at the end (split-K, "flash-decoding"). Threads pull items
+// from a shared counter, so ragged context lengths balance themselves.
 //
-// Loops are written for gcc's auto-vectorizer (-O3 -fopenmp; `omp simd` marks
-// the reductions, which it may not reorder on its own). exp() is a polynomial so
-// that it vectorizes too.
+// Vector code uses the GCC/Clang vector extensions (16-float vectors, lowered to
+// whatever the -march allows), not per-ISA intrinsics; only fp16 loads use F16C.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -40,74 +41,140 @@
 #include <limits>
 #include <vector>
 
+// 64-byte vectors passed between functions warn about an ABI change when the
+// target lacks AVX-512; every such function here is internal and inlined.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 namespace pdserve {
 namespace {
 
 constexpr int64_t kTile = 64;  // tokens per online-softmax step
+constexpr int64_t kLanes = 16;  // floats per vector
+constexpr int64_t kMaxVecs = 32;  // D <= 512
 // Split-K only when every chunk keeps at least this many tokens: a chunk costs
 // one extra partial state (G * (D + 2) floats) and a merge.
 constexpr int64_t kMinChunk = 512;
 constexpr int64_t kMaxSplits = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// ---- element loads and stores ------------------------------------------------
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-inline void load_row(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
+// ---- 32-element blocks as two fp32 vectors ------------------------------------
+//
+// load32 turns 32 consecutive elements into two fp32 vectors, and store32 undoes
+// it. The lane order is the type's own: bf16 splits even and odd elements (one
+// shift or mask per vector instead of a widening shuffle), the others keep the
+// natural order. q, K and V go through the same load32, so dot products are
+// unaffected, and the fp32 accumulators keep that order until store32.
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
+  return v;
 }
 
-inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits = static_cast<uint32_t>(s[i]) << 16;  // bf16 is the top half of fp32
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    dst[i] = f;
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline void load32(const float* p, f32x16& lo, f32x16& hi) {
+  lo = load16(p);
+  hi = load16(p + kLanes);
+}
+
+inline void store32(float* p, f32x16 lo, f32x16 hi) {
+  store16(p, lo);
+  store16(p + kLanes, hi);
+}
+
+// lo = elements 0, 2, .., 30 and hi = 1, 3, .., 31: a bf16 is the top half of an fp32.
+inline void load32(const c10::BFloat16* p, f32x16& lo, f32x16& hi) {
+  u32x16 pairs;  // element 2l in the low half of lane l, 2l + 1 in the high half
+  std::memcpy(&pairs, p, sizeof pairs);
+  const u32x16 even = pairs << 16, odd = pairs & 0xFFFF0000u;
+  std::memcpy(&lo, &even, sizeof lo);
+  std::memcpy(&hi, &odd, sizeof hi);
+}
+
+inline u32x16 round_to_bf16(f32x16 v) {  // fp32 bits rounded to the nearest even bf16 (top half)
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  const u32x16 nan = (bits | 0x00400000u) & 0xFFFF0000u;  // keep NaNs NaN (quiet)
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded;
+}
+
+inline void store32(c10::BFloat16* p, f32x16 lo, f32x16 hi) {
+  const u32x16 pairs = (round_to_bf16(lo) >> 16) | round_to_bf16(hi);
+  std::memcpy(p, &pairs, sizeof pairs);
+}
+
+inline void load32(const c10::Half* p, f32x16& lo, f32x16& hi) {
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512 b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kLanes)));
+  std::memcpy(&lo, &a, sizeof lo);
+  std::memcpy(&hi, &b, sizeof hi);
+#elif defined(__F16C__)
+  __m256 parts[4];
+  for (int64_t j = 0; j < 4; ++j) {
+    parts[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * j)));
   }
-}
-
-inline void load_row(const c10::Half* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  std::memcpy(&lo, parts, sizeof lo);
+  std::memcpy(&hi, parts + 2, sizeof hi);
+#else
+  for (int64_t l = 0; l < kLanes; ++l) {
+    lo[l] = static_cast<float>(p[l]);
+    hi[l] = static_cast<float>(p[kLanes + l]);
   }
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);  // round to nearest even
-}
-
-// A K or V row as fp32: fp32 rows are read in place, others are converted into buf.
-template <typename T>
-inline const float* row_f32(const T* src, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    load_row(src, buf, n);
-    return buf;
+inline void store32(c10::Half* p, f32x16 lo, f32x16 hi) {
+  for (int64_t l = 0; l < kLanes; ++l) {
+    p[l] = static_cast<c10::Half>(lo[l]);  // round to nearest even
+    p[kLanes + l] = static_cast<c10::Half>(hi[l]);
   }
 }
 
 // ---- math --------------------------------------------------------------------
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+inline float hsum(f32x16 v) {  // folds halves: 4 shuffle + add steps
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// max / sum of x[0, kTile), in 16 lanes folded at the end. A plain `s += x[i]`
+// loop does not vectorize without -ffast-math, and gcc ends `omp simd reduction`
+// with 16 dependent scalar adds.
+inline float max_of_tile(const float* __restrict x) {
+  f32x16 m = load16(x);
+  for (int64_t i = kLanes; i < kTile; i += kLanes) {
+    const f32x16 v = load16(x + i);
+    m = v > m ? v : m;
+  }
+  float r = m[0];
+  for (int64_t l = 1; l < kLanes; ++l) r = std::max(r, m[l]);
+  return r;
+}
+
+inline float sum_of_tile(const float* __restrict x) {
+  f32x16 s = load16(x);
+  for (int64_t i = kLanes; i < kTile; i += kLanes) s += load16(x + i);
+  return hsum(s);
 }
 
 // exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-6 polynomial;
 // ~1 ulp). Inputs below -87 give ~1e-38 instead of 0, which no softmax notices.
 inline float exp_nonpos(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
   x = std::max(x, -87.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  // n = round(x / ln 2); std::floor would not vectorize without -fno-trapping-math.
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -144,68 +211,111 @@ struct Problem {
   float scale;
 };
 
-// Attends query heads [kvh * G, (kvh + 1) * G) of sequence b to tokens [t0, t1),
-// leaving the unnormalized state in `st`. Scratch: qf [G*D], kbuf/vbuf [D], s [G*kTile].
-template <typename T>
+// Attends query heads [h * G, (h + 1) * G) of sequence b to tokens [t0, t1),
+// leaving the unnormalized state in `st` (acc in load32 lane order). Scratch:
+// qf [G * D], s [G * kTile].
+//
+// kC = D / 16 vectors per row when known at compile time (0: from p.d): the row
+// loops then have constant trip counts, and K and the V accumulators live in registers.
+template <typename T, int64_t kC>
 void attend_chunk(const Problem& p, int64_t b, int64_t h, int64_t t0, int64_t t1, Partial st,
-                  float* qf, float* kbuf, float* vbuf, float* s) {
-  const int64_t G = p.groups, D = p.d;
+                  float* __restrict qf, float* __restrict s) {
+  const int64_t G = p.groups, D = p.d, C = kC ? kC : D / kLanes;
+  float* __restrict acc = st.acc;
   const T* q = static_cast<const T*>(p.q) + (b * p.kvh + h) * G * D;
-  load_row(q, qf, G * D);
-  for (int64_t i = 0; i < G * D; ++i) qf[i] *= p.scale;  // fold the scale into q
-  for (int64_t g = 0; g < G; ++g) {
-    st.m[g] = kNegInf;
-    st.l[g] = 0.f;
+  for (int64_t c = 0; c < G * C; c += 2) {
+    f32x16 lo, hi;
+    load32(q + c * kLanes, lo, hi);
+    store32(qf + c * kLanes, lo * p.scale, hi * p.scale);  // fold the scale into q
   }
-  std::fill(st.acc, st.acc + G * D, 0.f);
+  std::fill(st.m, st.m + G, kNegInf);
+  std::fill(st.l, st.l + G, 0.f);
+  std::fill(acc, acc + G * D, 0.f);
 
   const T* base = reinterpret_cast<const T*>(p.kv) + h * p.kv_stride[3];
+  const int64_t v_off = p.kv_stride[1];
   const int64_t* pages = p.page_table + b * p.max_pages;
-  const T* krow[kTile];  // K row of each token in the tile; its V row is kv_stride[1] further
-
-  for (int64_t tt = t0; tt < t1; tt += kTile) {
-    const int64_t n = std::min(kTile, t1 - tt);
-    for (int64_t i = 0, pi = tt / p.page_size, slot = tt % p.page_size; i < n; ++i) {
-      krow[i] = base + pages[pi] * p.kv_stride[0] + slot * p.kv_stride[2];
+  // K rows of tokens [t, t + n); a V row is v_off elements after its K row.
+  auto find_rows = [&](int64_t t, int64_t n, const T** rows) {
+    for (int64_t i = 0, pi = t / p.page_size, slot = t % p.page_size; i < n; ++i) {
+      rows[i] = base + pages[pi] * p.kv_stride[0] + slot * p.kv_stride[2];
       if (++slot == p.page_size) {
         slot = 0;
         ++pi;
       }
     }
+  };
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  const T* rows_buf[2][kTile];
+  const T** krow = rows_buf[0];
+  const T** next = rows_buf[1];
+  find_rows(t0, std::min(kTile, t1 - t0), krow);
+
+  for (int64_t tt = t0; tt < t1; tt += kTile) {
+    const int64_t n = std::min(kTile, t1 - tt);
+    const int64_t n_next = std::min(kTile, t1 - tt - n);
+    find_rows(tt + n, n_next, next);
+
     // Scores s[g, i] = (scale * q_g) . k_{tt+i}
     for (int64_t i = 0; i < n; ++i) {
-      const float* k = row_f32(krow[i], kbuf, D);
-      for (int64_t g = 0; g < G; ++g) s[g * kTile + i] = dot(qf + g * D, k, D);
-    }
-    // Online softmax: rescale the old state to the new max, turn scores into weights.
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = s + g * kTile;
-      float mx = st.m[g];
-      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) {
-        sg[i] = exp_nonpos(sg[i] - mx);
-        sum += sg[i];
+      if (i < n_next) {
+        // Prefetch (into L2) the next tile as this one is read: pages are scattered,
+        // so the hardware prefetcher loses the stream at every page boundary.
+        const char* k = reinterpret_cast<const char*>(next[i]);
+        const char* v = reinterpret_cast<const char*>(next[i] + v_off);
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          __builtin_prefetch(k + off, 0, 2);
+          __builtin_prefetch(v + off, 0, 2);
+        }
       }
-      if (mx != st.m[g]) {
-        const float alpha = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - mx);
-        float* a = st.acc + g * D;
-        for (int64_t j = 0; j < D; ++j) a[j] *= alpha;
-        st.l[g] *= alpha;
-        st.m[g] = mx;
-      }
-      st.l[g] += sum;
-    }
-    // acc[g] += sum_i w[g, i] * v_{tt+i}
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = row_f32(krow[i] + p.kv_stride[1], vbuf, D);
+      f32x16 k[kC ? kC : kMaxVecs];
+      for (int64_t c = 0; c < C; c += 2) load32(krow[i] + c * kLanes, k[c], k[c + 1]);
       for (int64_t g = 0; g < G; ++g) {
-        const float w = s[g * kTile + i];
-        float* a = st.acc + g * D;
-        for (int64_t j = 0; j < D; ++j) a[j] += w * v[j];
+        const float* qg = qf + g * D;
+        f32x16 a0 = {}, a1 = {};  // two chains hide the FMA latency
+        for (int64_t c = 0; c < C; c += 2) {
+          a0 += load16(qg + c * kLanes) * k[c];
+          a1 += load16(qg + (c + 1) * kLanes) * k[c + 1];
+        }
+        s[g * kTile + i] = hsum(a0 + a1);
       }
     }
+
+    for (int64_t g = 0; g < G; ++g) {
+      // Online softmax: rescale the old state to the new max, turn scores into weights.
+      float* sg = s + g * kTile;
+      std::fill(sg + n, sg + kTile, kNegInf);  // pad a short tile: fixed trip counts below
+      const float mx = std::max(st.m[g], max_of_tile(sg));
+      for (int64_t i = 0; i < kTile; ++i) sg[i] = i < n ? exp_nonpos(sg[i] - mx) : 0.f;
+      const float alpha = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - mx);
+      st.l[g] = st.l[g] * alpha + sum_of_tile(sg);
+      st.m[g] = mx;
+
+      // acc[g] = alpha * acc[g] + sum_i w[g, i] * v_{tt+i}, accumulated in registers.
+      f32x16 a[kC ? kC : kMaxVecs];
+      float* ag = acc + g * D;
+      for (int64_t c = 0; c < C; ++c) a[c] = load16(ag + c * kLanes) * alpha;
+      for (int64_t i = 0; i < n; ++i) {
+        const T* v = krow[i] + v_off;
+        const float w = sg[i];
+        for (int64_t c = 0; c < C; c += 2) {
+          f32x16 lo, hi;
+          load32(v + c * kLanes, lo, hi);
+          a[c] += w * lo;
+          a[c + 1] += w * hi;
+        }
+      }
+      for (int64_t c = 0; c < C; ++c) store16(ag + c * kLanes, a[c]);
+    }
+    std::swap(krow, next);
+  }
+}
+
+// out[0, D) = acc * inv, from load32 lane order back to element order.
+template <typename T>
+inline void store_row(const float* acc, float inv, T* out, int64_t d) {
+  for (int64_t j = 0; j < d; j += 2 * kLanes) {
+    store32(out + j, load16(acc + j) * inv, load16(acc + j + kLanes) * inv);
   }
 }
 
@@ -226,8 +336,8 @@ int64_t choose_splits(int64_t pairs, int64_t threads, int64_t max_ctx) {
   return best;
 }
 
-// Runs fn(item) for item in [0, n) on the intra-op threads, each thread pulling the
-// next item from a shared counter; fn gets the calling thread's scratch arena.
+// Runs fn(item, scratch) for item in [0, n) on the intra-op threads, each thread
+// pulling the next item from a shared counter; scratch is the thread's own arena.
 template <typename Fn>
 void for_each_item(int64_t n, int64_t threads, int64_t scratch_floats, const Fn& fn) {
   std::atomic<int64_t> next{0};
@@ -245,8 +355,12 @@ void run(const Problem& p, int64_t batch, at::Tensor& out) {
   int64_t max_ctx = 0;
   for (int64_t b = 0; b < batch; ++b) max_ctx = std::max(max_ctx, p.ctx_lens[b]);
   const int64_t splits = choose_splits(pairs, threads, max_ctx);
-  // Scratch per thread: qf [G*D], kbuf [D], vbuf [D], s [G*kTile], m [G], l [G], acc [G*D]
-  const int64_t scratch = 2 * G * D + 2 * D + G * kTile + 2 * G;
+  auto* attend = D == 64    ? &attend_chunk<T, 4>
+                 : D == 128 ? &attend_chunk<T, 8>
+                 : D == 256 ? &attend_chunk<T, 16>
+                            : &attend_chunk<T, 0>;
+  // Scratch per thread: qf [G, D], s [G, kTile], then a state m [G], l [G], acc [G, D].
+  const int64_t scratch = 2 * G * D + G * kTile + 2 * G;
   T* o = out.data_ptr<T>();
 
   auto chunk_range = [&](int64_t b, int64_t c) {
@@ -264,15 +378,10 @@ void run(const Problem& p, int64_t batch, at::Tensor& out) {
         std::fill(dst, dst + G * D, static_cast<T>(0.f));
         return;
       }
-      float *qf = w, *kbuf = qf + G * D, *vbuf = kbuf + D, *s = vbuf + D;
-      Partial st{s + G * kTile, s + G * kTile + G, s + G * kTile + 2 * G};
-      attend_chunk<T>(p, b, h, 0, p.ctx_lens[b], st, qf, kbuf, vbuf, s);
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / st.l[g];
-        float* a = st.acc + g * D;
-        for (int64_t j = 0; j < D; ++j) a[j] *= inv;
-        store_row(a, dst + g * D, D);
-      }
+      float *qf = w, *s = qf + G * D, *state = s + G * kTile;
+      Partial st{state, state + G, state + 2 * G};
+      attend(p, b, h, 0, p.ctx_lens[b], st, qf, s);
+      for (int64_t g = 0; g < G; ++g) store_row(st.acc + g * D, 1.f / st.l[g], dst + g * D, D);
     });
     return;
   }
@@ -291,8 +400,7 @@ void run(const Problem& p, int64_t batch, at::Tensor& out) {
       std::fill(ps + G, ps + state, 0.f);
       return;
     }
-    float *qf = w, *kbuf = qf + G * D, *vbuf = kbuf + D, *s = vbuf + D;
-    attend_chunk<T>(p, b, h, t0, t1, st, qf, kbuf, vbuf, s);
+    attend(p, b, h, t0, t1, st, w, w + G * D);
   });
   for_each_item(pairs, threads, scratch, [&](int64_t pair, float* w) {
     float* res = w;  // [D]
@@ -309,10 +417,9 @@ void run(const Problem& p, int64_t batch, at::Tensor& out) {
           const float* a = ps + 2 * G + g * D;
           for (int64_t j = 0; j < D; ++j) res[j] += wgt * a[j];
         }
-        const float inv = 1.f / l;
-        for (int64_t j = 0; j < D; ++j) res[j] *= inv;
+        l = 1.f / l;
       }  // else ctx_len == 0: zeros
-      store_row(res, o + (pair * G + g) * D, D);
+      store_row(res, l, o + (pair * G + g) * D, D);
     }
   });
 }
@@ -336,6 +443,8 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q, const at::Tensor& kv,
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t P = kv.size(0), ps = kv.size(2), KVH = kv.size(3);
   TORCH_CHECK(kv.size(4) == D, "head dims differ: q has ", D, ", kv has ", kv.size(4));
+  TORCH_CHECK(D % (2 * kLanes) == 0 && D <= kLanes * kMaxVecs,
+              "paged_decode_attention needs a head dim that is a multiple of 32, at most 512; got ", D);
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads (", H, ") must be a multiple of kv heads (",
               KVH, ")");
   TORCH_CHECK(kv.stride(4) == 1 && (KVH == 1 || kv.stride(3) == D),

@@ -5,8 +5,6 @@ import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-import torch
-
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -161,8 +159,9 @@ def _parse_rope(cfg: dict, family: str, types: set[str]) -> dict:
     return out
 
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-          "float16": torch.float16, "fp16": torch.float16}
+# torch is imported lazily: the router imports this module and needs no torch.
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+          "float16": "float16", "fp16": "float16"}
 
 
 def _default_dtype() -> str:
@@ -182,10 +181,16 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
     max_model_len: int = 0  # 0 -> the model's max_position, capped by the KV pool
     num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    # Host KV cache (hicache/): GiB of shared memory for pages and SWA states; 0 disables it.
+    # Off by default: its size must be planned against host RAM and the ranks per host.
+    hicache_size_gb: float = 0.0
+    hicache_state_slots: int = 16  # SWA states it holds (hybrid models only), out of hicache_size_gb
+    hicache_shm_name: str = ""  # file under /dev/shm; "" -> pdserve-hicache-<pid>-<random>
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", DTYPES[self.dtype])  # canonical name
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -194,13 +199,19 @@ class EngineConfig:
             raise ValueError("kv_cache_gb must be > 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.hicache_size_gb < 0 or self.hicache_state_slots < 0:
+            raise ValueError("hicache_size_gb and hicache_state_slots must be >= 0")
+        if "/" in self.hicache_shm_name:
+            raise ValueError(f"hicache_shm_name must be a plain file name, got {self.hicache_shm_name!r}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, DTYPES[self.dtype])
 
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self):
+        import torch
         return torch.device(self.device)
 
 
@@ -208,7 +219,17 @@ def add_cli_args(parser, cls=EngineConfig, prefix: str = "") -> None:
     """Add one `--flag` per dataclass field, defaults and types from the field."""
     for f in fields(cls):
         flag = "--" + prefix + f.name.replace("_", "-")
-        parser.add_argument(flag, type=type(f.default), default=f.default, dest=prefix + f.name)
+        kind = _parse_bool if isinstance(f.default, bool) else type(f.default)
+        parser.add_argument(flag, type=kind, default=f.default, dest=prefix + f.name)
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
 
 
 def from_cli_args(args, cls=EngineConfig, prefix: str = ""):

@@ -11,6 +11,8 @@ Request life cycle:
      context -> "length". A prefill-only sequence finishes after its first token
      and carries its KV export (pages + SWA state) in the output.
   5. Finished or aborted sequences free their pages and SWA slot at once.
+With a host cache (hicache_size_gb > 0), admission loads the prompt's longest
+stored prefix and prefill writes the prompt through to it (hicache/cache.py).
 Roles: colocated = both; prefill-only = add_request(prefill_only=True);
 decode-only = add_imported() with the prefill side's KVExport.
 """
@@ -29,6 +31,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, Status
+from hicache.cache import HostCache
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,9 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._imports: dict[str, KVExport] = {}
         self.eos_ids = frozenset(self.model_cfg.eos_token_ids)
+        self.hicache: HostCache | None = None
+        if cfg.hicache_size_gb > 0:
+            self.hicache = HostCache.for_engine(cfg, self.model_cfg, self.max_model_len)
 
     # ---- admission -----------------------------------------------------------
     def _validate(self, request_id: str, prompt_ids: list[int]) -> None:
@@ -131,7 +137,7 @@ class LLMEngine:
     def _on_admit(self, seq: Sequence) -> bool:
         kv = self._imports.get(seq.request_id)
         if kv is None:
-            return True
+            return self.hicache.admit(seq, self.pool) if self.hicache is not None else True
         n = kv.pages.shape[0]
         if n > self.pool.free_pages:
             return False
@@ -160,6 +166,8 @@ class LLMEngine:
         if sched.empty:
             return []
         rows, out = self.runner.execute(sched.scheduled)
+        if self.hicache is not None:  # before any row finishes and frees its pages
+            self.hicache.write_through(sched.scheduled, self.pool)
         if out is None:
             return []
         tokens = out.token_ids.tolist()
@@ -243,6 +251,14 @@ class LLMEngine:
         return LLMEngine._n
 
     def stats(self) -> dict:
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "pages_used": self.pool.used_pages, "pages_total": self.pool.num_pages,
-                "swa_slots_free": self.pool.free_slots}
+        out = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+               "pages_used": self.pool.used_pages, "pages_total": self.pool.num_pages,
+               "swa_slots_free": self.pool.free_slots}
+        if self.hicache is not None:
+            out["hicache"] = self.hicache.stats()
+        return out
+
+    def close(self) -> None:
+        """Release host resources (unlinks the host cache's shared memory); idempotent."""
+        if self.hicache is not None:
+            self.hicache.close()

@@ -85,7 +85,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_schedulable, budget)
             if n == 0:
                 continue
             while not self._ensure_pages(seq, seq.num_computed + n):
@@ -108,7 +108,7 @@ class Scheduler:
                 if self.on_admit is not None and not self.on_admit(seq):
                     self.release(seq)
                     break
-                n = min(seq.num_uncomputed, budget)
+                n = min(seq.num_schedulable, budget)
                 if not self._ensure_pages(seq, seq.num_computed + n):
                     self.release(seq)
                     seq.num_computed = 0

@@ -43,6 +43,9 @@ class Sequence:
     num_preemptions: int = 0
     # Set when prefill-only: stop after the first sampled token (PD prefill rank).
     prefill_only: bool = False
+    # Host prefix cache: ascending positions where the prompt is written through after
+    # the step that reaches them; a chunk never crosses the next one (num_schedulable).
+    store_points: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -55,6 +58,14 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def num_schedulable(self) -> int:
+        """Tokens the next step may compute: num_uncomputed, cut at the next store point."""
+        n = self.num_uncomputed
+        if self.store_points and self.store_points[0] > self.num_computed:
+            n = min(n, self.store_points[0] - self.num_computed)
+        return n
 
     @property
     def finished(self) -> bool:

@@ -86,10 +86,12 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, page_table: torch.
     ctx_lens: [B] int32/int64, 0 <= ctx_lens[b] <= max_pages * page_size; a 0 row
         yields zeros.
     Computes softmax(scale * q.k) @ v per head in fp32 and reads nothing else; mutates
-    nothing. Raises RuntimeError on bad shapes, dtypes, strides or page ids, or when
-    no C++ compiler can build the kernel.
+    nothing. CUDA tensors, and head dims the kernel lacks (not a multiple of 32, or
+    over 512), take `reference_decode_attention`. Raises RuntimeError on bad shapes,
+    dtypes, strides or page ids, or when no C++ compiler can build the kernel.
     """
-    if q.is_cuda or kv.is_cuda:
+    d = q.shape[-1]
+    if q.is_cuda or kv.is_cuda or d % 32 or d > 512:  # the kernel's head dims: 32, 64, .., 512
         return reference_decode_attention(q, kv, page_table, ctx_lens, scale)
     _load_ops()
     return torch.ops.pdserve.paged_decode_attention(q, kv, page_table, ctx_lens, scale)

@@ -1,0 +1,151 @@
+"""A rank's side of the router link: one IO thread owns the DEALER socket.
+
+Threads:
+  * the IO thread (this module) owns the DEALER connected to the router and the PULL end of
+    an inproc pipe; it says Hello until Welcome, forwards what the engine thread pushes,
+    puts Generate/Abort into `inbox`, sends RankStats every heartbeat, and decides when the
+    rank must exit (Reject, Shutdown, router silent, no Welcome in time);
+  * the engine thread (the caller) owns the engine and the PUSH end of the pipe: it calls
+    `send()` and reads `inbox`, and stops when `stopped` is set.
+Heartbeats come from the IO thread, so a long engine step (a big prefill on a busy CPU)
+does not make the router think the rank died. torch releases the GIL in its kernels.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import msgspec
+import zmq
+
+from decode.config import RankConfig
+from pd_server.protocol.codec import Codec
+from pd_server.protocol.rank_router import Goodbye, Hello, RankStats
+from pd_server.protocol.router_rank import Abort, Generate, Ping, Reject, Shutdown, Welcome
+
+log = logging.getLogger(__name__)
+
+EXIT_REJECTED = 3  # the router refused this rank (version or model mismatch)
+EXIT_NO_ROUTER = 4  # no Welcome in time, or the router went silent
+
+
+class RankLink:
+    def __init__(self, cfg: RankConfig, hello: Hello, stats: Callable[[], RankStats]) -> None:
+        """`stats` is called from the IO thread: it must only read a snapshot (no engine calls)."""
+        self.cfg = cfg
+        self.inbox: queue.Queue[Generate | Abort] = queue.Queue()
+        self.stopped = threading.Event()
+        self.exit_code = 0
+        self.stop_reason = ""
+        self._hello = hello
+        self._stats = stats
+        self._ctx = zmq.Context()
+        pipe = f"inproc://rank-out-{id(self)}"
+        self._pull = self._ctx.socket(zmq.PULL)  # IO thread
+        self._pull.bind(pipe)
+        self._push = self._ctx.socket(zmq.PUSH)  # engine thread
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.connect(pipe)
+        self._dealer = self._ctx.socket(zmq.DEALER)  # IO thread
+        self._dealer.setsockopt(zmq.IDENTITY, f"{cfg.name}-{hello.pid}".encode())
+        self._dealer.setsockopt(zmq.SNDHWM, 0)
+        self._dealer.setsockopt(zmq.RCVHWM, 0)
+        self._dealer.setsockopt(zmq.LINGER, 500)  # let Goodbye leave on exit
+        self._dealer.connect(cfg.router_addr)
+        self._enc = msgspec.msgpack.Encoder()  # engine thread
+        self._thread = threading.Thread(target=self._run, name="rank-io", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, msg: msgspec.Struct) -> None:
+        """Engine thread only: queue one message for the router."""
+        self._push.send(self._enc.encode(msg), copy=False)
+
+    def stop(self, reason: str, code: int = 0) -> None:
+        if not self.stopped.is_set():
+            self.stop_reason, self.exit_code = reason, code
+            self.stopped.set()
+
+    def close(self) -> None:
+        """Engine thread, after it stopped: join the IO thread and close every socket."""
+        self.stop("closing")
+        self._thread.join(timeout=5)
+        self._push.close(linger=0)
+        self._ctx.destroy(linger=500)
+
+    # ---- IO thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:  # noqa: BLE001 - any IO failure ends the rank, loudly
+            log.exception("rank link failed")
+            self.stop(f"rank link failed: {e}", 1)
+        try:
+            self._dealer.send(Codec().encode(Goodbye(self.stop_reason)), zmq.DONTWAIT)
+        except zmq.ZMQError:
+            pass
+        self._dealer.close()
+        self._pull.close(linger=0)
+
+    def _loop(self) -> None:
+        cfg, codec = self.cfg, Codec()
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        started = time.monotonic()
+        welcomed, heartbeat = False, 0.5
+        next_hello = next_stats = last_router = started
+        while not self.stopped.is_set():
+            now = time.monotonic()
+            due = next_stats if welcomed else next_hello
+            events = dict(poller.poll(max(1, min(100, int((due - now) * 1000)))))
+            if self._pull in events:
+                while True:
+                    try:
+                        frame = self._pull.recv(zmq.DONTWAIT, copy=False)
+                    except zmq.Again:
+                        break
+                    self._dealer.send(frame, copy=False)
+            if self._dealer in events:
+                while True:
+                    try:
+                        frame = self._dealer.recv(zmq.DONTWAIT)
+                    except zmq.Again:
+                        break
+                    last_router = time.monotonic()
+                    try:
+                        msg = codec.decode_from_router(frame)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                        log.error("dropping undecodable frame from the router: %s", e)
+                        continue
+                    if isinstance(msg, (Generate, Abort)):
+                        self.inbox.put(msg)
+                    elif isinstance(msg, Ping):
+                        pass
+                    elif isinstance(msg, Welcome):
+                        if not welcomed:
+                            log.info("router welcomed this rank as %s", msg.rank_name)
+                        welcomed, heartbeat = True, msg.heartbeat_interval_s
+                    elif isinstance(msg, Reject):
+                        self.stop(f"router rejected this rank: {msg.reason}", EXIT_REJECTED)
+                    elif isinstance(msg, Shutdown):
+                        self.stop(f"router asked to shut down: {msg.reason}")
+            now = time.monotonic()
+            if not welcomed:
+                if now - started > cfg.connect_timeout_s:
+                    self.stop(f"no router answered at {cfg.router_addr} within {cfg.connect_timeout_s}s",
+                              EXIT_NO_ROUTER)
+                elif now >= next_hello:
+                    self._dealer.send(codec.encode(self._hello))
+                    next_hello = now + cfg.hello_interval_s
+            else:
+                if now - last_router > cfg.router_timeout_s:
+                    self.stop(f"router silent for {now - last_router:.1f}s; assuming it is gone",
+                              EXIT_NO_ROUTER)
+                elif now >= next_stats:
+                    self._dealer.send(codec.encode(self._stats()))
+                    next_stats = now + heartbeat

@@ -1,0 +1,321 @@
+"""HostCache: the host pool + prefix index behind one interface, with counters and events.
+
+A request's life with the cache, as the engine drives it (engine/llm_engine.py):
+  1. Admission (`admit`, the scheduler's on_admit hook): look up the prompt's
+     longest stored prefix (at least one token left to compute; for hybrid models
+     cut back to a boundary with a stored SWA state), allocate device pages for it,
+     copy host -> device, restore the SWA ring into the sequence's slot, and mark
+     those tokens computed. `seq.store_points` gets the positions where this
+     prompt will be written through.
+  2. Prefill runs on the suffix only. A chunk never crosses the next store point
+     (Sequence.num_schedulable), so the SWA ring is as of that point when it ends.
+  3. Write-through (`write_through`, after each step): at a store point, the
+     prompt's complete pages not yet stored are copied device -> host, and (hybrid
+     models) the SWA rings as of that page boundary go into a state slot.
+  4. Eviction, on demand when a store needs room: least recently used unpinned
+     chain tails first (with their states); states alone when only state slots are
+     short. Pinned entries (a load, a store, an in-flight transfer) stay. A full
+     cache stores fewer pages, never raises.
+
+Store points (hybrid models): the SWA ring after prefill holds the last `window`
+tokens as of the prompt's end, but a stored state must be as of a page boundary.
+So the engine ends a prefill chunk at B = floor(L / page_size) * page_size (what the
+next turn, which extends this prompt, can hit) and, when L is itself a boundary, also
+at L - page_size (what a repeat of the same prompt can hit, since at least one token
+must be recomputed). This costs at most one extra, shorter step per prefill (the
+< page_size tail after B). Full-attention-only models store at the prompt's end.
+Intermediate boundaries get no state (a shared system prompt hits only if some
+request's prompt ended right after it); storing a state at every chunk end that is a
+page boundary would fix that at the cost of state-slot churn.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import KVPool
+from engine.sequence import Sequence
+from hicache.index import Node, PrefixIndex, namespace_key, page_keys
+from hicache.page_copy import copy_pages
+from hicache.pool import HostPool, HostPoolLayout, default_shm_name
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """What changed, for a router that tracks which prefixes a rank holds."""
+
+    kind: str  # "page_stored" | "page_evicted" | "state_stored" | "state_evicted"
+    keys: tuple[bytes, ...]  # page keys (hicache.index.page_keys); a state's is its page's
+
+
+@dataclass
+class HostCacheStats:
+    lookups: int = 0
+    hits: int = 0  # lookups that reused at least one page
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    stores: int = 0  # write-throughs that added at least one page or state
+    stored_pages: int = 0
+    stored_states: int = 0
+    store_skipped_pages: int = 0  # pages a store left out because everything was pinned
+    evicted_pages: int = 0
+    evicted_states: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    seconds_h2d: float = 0.0
+    seconds_d2h: float = 0.0
+
+
+@dataclass
+class Hit:
+    """A pinned lookup result; pass it to `load` or `release` exactly once."""
+
+    path: list[Node]
+    page_size: int
+    released: bool = field(default=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.path) * self.page_size
+
+    @property
+    def state(self) -> int | None:
+        return self.path[-1].state if self.path else None
+
+
+class HostCache:
+    """Host KV cache of one rank. Not thread-safe: the engine loop owns it."""
+
+    def __init__(self, pool: HostPool, index: PrefixIndex, has_swa: bool) -> None:
+        self.pool = pool
+        self.index = index
+        self.page_size = index.page_size
+        self.has_swa = has_swa
+        self.counters = HostCacheStats()
+        self.record_events = False  # set by whoever drains them (the rank's router link)
+        self._events: list[CacheEvent] = []
+
+    @classmethod
+    def for_engine(cls, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> "HostCache":
+        """Size and create the cache for an engine: hicache_size_gb covers pages and states.
+
+        Raises ValueError when the budget cannot hold the state slots plus one page.
+        """
+        ps, dtype = cfg.page_size, cfg.torch_dtype
+        page_bytes = KVPool.bytes_per_page(model_cfg, ps, dtype)
+        state_bytes = KVPool.bytes_per_slot(model_cfg, dtype)
+        num_states = cfg.hicache_state_slots if model_cfg.swa_layers else 0
+        left = int(cfg.hicache_size_gb * 2**30) - num_states * state_bytes
+        if page_bytes:
+            num_pages = max(left, 0) // page_bytes
+        else:  # no full-attention layer: pages are keys only; enough for every state's chain
+            num_pages = max(num_states, 1) * -(-max_model_len // ps)
+        if num_pages < 1 or left < 0:
+            raise ValueError(
+                f"hicache_size_gb={cfg.hicache_size_gb} cannot hold {num_states} SWA states of "
+                f"{state_bytes / 2**20:.1f} MiB plus one page of {page_bytes} bytes; "
+                f"raise hicache_size_gb or lower hicache_state_slots")
+        kvh, hd = model_cfg.num_kv_heads, model_cfg.head_dim
+        layout = HostPoolLayout(
+            name=cfg.hicache_shm_name or default_shm_name(), dtype=str(dtype).removeprefix("torch."),
+            num_pages=num_pages, page_shape=(len(model_cfg.full_layers), 2, ps, kvh, hd),
+            num_states=num_states,
+            state_shape=(len(model_cfg.swa_layers), 2, model_cfg.sliding_window or 0, kvh, hd))
+        pool = HostPool.create(layout, pin_cuda=cfg.torch_device.type == "cuda")
+        copy_pages(pool.pages, pool.pages, [], [])  # build/load the kernel now, not in a request's TTFT
+        root = namespace_key(cfg.model, layout.dtype, ps)
+        return cls(pool, PrefixIndex(root, ps), has_swa=bool(model_cfg.swa_layers))
+
+    def close(self) -> None:
+        self.pool.close()
+
+    # ---- lookup and load -------------------------------------------------------------
+    def lookup(self, tokens: Seq[int]) -> Hit:
+        """Longest usable stored prefix of `tokens`, pinned (see PrefixIndex.lookup)."""
+        path = self.index.lookup(tokens, need_state=self.has_swa)
+        self.index.pin(path)
+        c = self.counters
+        c.lookups += 1
+        c.lookup_tokens += len(tokens)
+        if path:
+            c.hits += 1
+            c.hit_tokens += len(path) * self.page_size
+        return Hit(path, self.page_size)
+
+    def release(self, hit: Hit) -> None:
+        if not hit.released:
+            hit.released = True
+            self.index.unpin(hit.path)
+
+    def load(self, hit: Hit, kv: KVPool, dev_pages: list[int], swa_slot: int | None) -> None:
+        """Copy a hit's pages into `dev_pages` and its SWA state into `swa_slot`; releases the hit.
+
+        Precondition: len(dev_pages) == len(hit.path); swa_slot set for hybrid models.
+        """
+        try:
+            self._copy(self.pool.pages, kv.full, [n.page for n in hit.path], dev_pages, h2d=True)
+            if hit.state is not None:
+                self._copy(self.pool.states, kv.swa, [hit.state], [swa_slot], h2d=True)
+            self.index.touch(hit.path)
+        finally:
+            self.release(hit)
+
+    # ---- store -----------------------------------------------------------------------
+    def store(self, tokens: Seq[int], kv: KVPool, dev_pages: list[int], swa_slot: int | None) -> int:
+        """Write through the complete pages of `tokens` (device pages `dev_pages`) not yet stored.
+
+        With `swa_slot` and len(tokens) on a page boundary, also stores that slot's
+        rings as the state at len(tokens) (precondition: they are as of that position).
+        Returns the number of pages added; fewer than missing when the cache is full
+        of pinned pages.
+        """
+        n = len(tokens) // self.page_size
+        keys = page_keys(tokens, self.page_size, self.index.root, n)
+        path = self.index.match_keys(keys)
+        self.index.pin(path)
+        added: list[Node] = []
+        try:
+            parent = path[-1] if path else None
+            for key in keys[len(path):]:
+                page = self._alloc_page()
+                if page is None:
+                    self.counters.store_skipped_pages += n - len(path) - len(added)
+                    break
+                parent = self.index.insert(parent, key, page)
+                self.index.pin([parent])
+                added.append(parent)
+            first = len(path)
+            self._copy(kv.full, self.pool.pages, dev_pages[first:first + len(added)],
+                       [a.page for a in added], h2d=False)
+            full = path + added
+            stored_state = False
+            if (swa_slot is not None and n and len(full) == n and len(tokens) == n * self.page_size
+                    and full[-1].state is None):
+                slot = self._alloc_state()
+                if slot is not None:
+                    self._copy(kv.swa, self.pool.states, [swa_slot], [slot], h2d=False)
+                    self.index.set_state(full[-1], slot)
+                    stored_state = True
+            self.index.touch(full)
+        finally:
+            self.index.unpin(path + added)
+        c = self.counters
+        c.stored_pages += len(added)
+        c.stored_states += stored_state
+        c.stores += bool(added) or stored_state
+        if added:
+            self._event("page_stored", [a.key for a in added])
+        if stored_state:
+            self._event("state_stored", [full[-1].key])
+        return len(added)
+
+    def _alloc_page(self) -> int | None:
+        page = self.pool.alloc_page()
+        while page is None:
+            node = self.index.evict_page()
+            if node is None:
+                return None
+            self.pool.free_page(node.page)
+            self.counters.evicted_pages += 1
+            self._event("page_evicted", [node.key])
+            if node.state is not None:
+                self.pool.free_state(node.state)
+                self.counters.evicted_states += 1
+                self._event("state_evicted", [node.key])
+            page = self.pool.alloc_page()
+        return page
+
+    def _alloc_state(self) -> int | None:
+        slot = self.pool.alloc_state()
+        if slot is None:
+            got = self.index.evict_state()
+            if got is None:
+                return None
+            node, slot = got
+            self.counters.evicted_states += 1
+            self._event("state_evicted", [node.key])
+        return slot
+
+    # ---- engine hooks ------------------------------------------------------------------
+    def admit(self, seq: Sequence, kv: KVPool) -> bool:
+        """The scheduler's on_admit for a fresh (or preempted) sequence; see the module steps 1-2.
+
+        Sets seq.pages, num_computed, num_cached_prompt and store_points. Returns
+        False (taking nothing) when the device pool cannot hold the hit's pages yet.
+        """
+        seq.store_points = []
+        seq.num_cached_prompt = 0
+        if not seq.params.prefix_cache:
+            return True
+        hit = self.lookup(seq.token_ids)
+        if hit.path:
+            if len(hit.path) > kv.free_pages:
+                self.release(hit)
+                return False
+            seq.pages = kv.allocate(len(hit.path))
+            self.load(hit, kv, seq.pages, seq.swa_slot)
+            seq.num_computed = hit.num_tokens
+            seq.num_cached_prompt = min(hit.num_tokens, len(seq.prompt_ids))
+        seq.store_points = self._store_points(len(seq.prompt_ids), seq.num_computed)
+        return True
+
+    def _store_points(self, prompt_len: int, computed: int) -> list[int]:
+        ps = self.page_size
+        if not self.has_swa:
+            return [prompt_len] if prompt_len // ps * ps > computed else []
+        points = {(prompt_len - 1) // ps * ps, prompt_len // ps * ps}
+        return sorted(p for p in points if p > computed)
+
+    def write_through(self, scheduled: list[tuple[Sequence, int]], kv: KVPool) -> None:
+        """After a step: store each sequence's prompt at the store points the step reached."""
+        for seq, _ in scheduled:
+            while seq.store_points and seq.store_points[0] <= seq.num_computed:
+                point = seq.store_points.pop(0)
+                slot = None
+                if self.has_swa:
+                    # Sequence.num_schedulable ended the chunk here, so the ring is as of `point`.
+                    assert point == seq.num_computed, (point, seq.num_computed)
+                    slot = seq.swa_slot
+                self.store(seq.prompt_ids[:point], kv, seq.pages, slot)
+
+    # ---- counters and events -------------------------------------------------------------
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_idx: list[int], dst_idx: list[int],
+              h2d: bool) -> None:
+        if not src_idx or src[0].numel() == 0:
+            return
+        t0 = time.perf_counter()
+        copy_pages(src, dst, src_idx, dst_idx)
+        for t in (src, dst):  # NOTE: synchronous for now; the pins allow an async version
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
+                break
+        dt = time.perf_counter() - t0
+        nbytes = len(src_idx) * src[0].numel() * src.element_size()
+        c = self.counters
+        if h2d:
+            c.bytes_h2d += nbytes
+            c.seconds_h2d += dt
+        else:
+            c.bytes_d2h += nbytes
+            c.seconds_d2h += dt
+
+    def _event(self, kind: str, keys: list[bytes]) -> None:
+        if self.record_events:
+            self._events.append(CacheEvent(kind, tuple(keys)))
+
+    def drain_events(self) -> list[CacheEvent]:
+        """Events since the last drain (recorded only while `record_events` is set)."""
+        out, self._events = self._events, []
+        return out
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {**asdict(c),
+                "hit_rate": c.hits / c.lookups if c.lookups else 0.0,
+                "token_hit_rate": c.hit_tokens / c.lookup_tokens if c.lookup_tokens else 0.0,
+                "pages_used": len(self.index), "pages_total": self.pool.num_pages,
+                "states_used": self.index.num_states, "states_total": self.pool.num_states}

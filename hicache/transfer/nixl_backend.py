@@ -1,0 +1,231 @@
+"""NIXL transfer backend: one NIXL agent per process, UCX underneath, one-sided READs.
+
+How a read travels:
+  1. `register` registers the region with the agent (one registration for the whole span)
+     and prepares its local descriptor list once: a strided list, one descriptor per page.
+  2. `add_peer` loads the peer's agent metadata, prepares one descriptor list per remote
+     region (again strided, prepared once) and opens the UCX connection eagerly, so the first
+     read does not pay for the wire-up.
+  3. `read` hands the request to the read thread, which makes one transfer request from the
+     two prepared lists and the page indices (NIXL merges runs of pages adjacent on both
+     sides into one descriptor), posts it and waits for it.
+  4. `poll` looks at that job's outcome; it never calls into NIXL.
+
+On one host UCX picks CMA (`process_vm_readv`: the reader's kernel copies straight out of
+the owner's memory, no staging) for DRAM, and TCP on loopback for its control messages;
+across hosts whatever the fabric offers (RDMA, else TCP). UCX_TLS / UCX_NET_DEVICES narrow it.
+
+NOTE: with CMA, posting a request IS the copy: `postXferReq` returns only when every byte
+has moved (35 ms for 180 MB here). Hence the read thread: posting there keeps the caller's
+loop running (the binding releases the GIL while it copies).
+
+NOTE: we drive NIXL through its pybind module (`_bindings`) instead of the `nixl_agent`
+wrapper because the wrapper hard-codes the progress thread's delay to 0: that thread then
+busy-polls and burns a whole core per process, forever (measured: 1.0-2.0 CPU s per idle
+second with nixl 1.5.1). With a delay it sleeps in poll() on the UCX workers' event fds and
+wakes for traffic; the delay only bounds a missed wake-up. The thread is needed at all
+because the owner of the pages never calls into NIXL during a read, yet UCX's connection
+wire-up needs the owner's worker to answer.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import ClassVar
+
+import numpy as np
+
+from hicache.transfer.base import (
+    METADATA_VERSION,
+    NixlMetadata,
+    Region,
+    RegionDesc,
+    TransferBackend,
+    TransferHandle,
+    decode_metadata,
+    encode_metadata,
+)
+
+logger = logging.getLogger(__name__)
+
+# nixl-cu12 / nixl-cu13 ship the bindings; the `nixl` meta package picks one by CUDA version.
+_BINDING_MODULES = ("nixl._bindings", "nixl_cu12._bindings", "nixl_cu13._bindings")
+
+
+def load_nixl() -> ModuleType:
+    """NIXL's pybind module; ImportError naming every module tried when none imports."""
+    errors = []
+    for name in _BINDING_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:  # also raised by `nixl` when it finds CUDA N but not nixl-cuN
+            errors.append(f"{name}: {e}")
+    raise ImportError("NIXL is not installed (pip install nixl-cu12): " + "; ".join(errors))
+
+
+@dataclass
+class _Peer:
+    agent_name: str
+    regions: dict[str, RegionDesc]
+    dlists: dict[str, int]  # region name -> prepared remote descriptor list
+
+
+@dataclass
+class _Local:
+    reg_dlist: object  # nixlRegDList, needed again to deregister
+    dlist: int  # prepared local descriptor list
+
+
+class NixlBackend(TransferBackend):
+    """Transfers through one NIXL agent named `agent_name` (unique among all peers).
+
+    Every read runs on the read thread (see the module docstring for why). A read still in
+    progress after `read_timeout_s` is aborted and fails. `progress_delay_us` bounds how long
+    the agent's progress thread sleeps when no event wakes it. `num_workers` > 1 gives UCX
+    more workers. Raises ImportError without NIXL, RuntimeError when the UCX plugin is
+    missing or the agent cannot start.
+    """
+
+    kind: ClassVar[str] = "nixl"
+
+    def __init__(self, agent_name: str, *, progress_delay_us: int = 2000, num_workers: int = 1,
+                 read_timeout_s: float = 30.0) -> None:
+        # NOTE: no read runs inline: UCX holds its worker lock for the whole CMA copy, so a
+        # small read posted here would wait behind a big one on the read thread anyway.
+        super().__init__(sync_bytes=-1)
+        nixl = load_nixl()
+        self._nixl = nixl
+        config = nixl.nixlAgentConfig(True)  # with a progress thread
+        config.pthrDelay = progress_delay_us
+        # RW: reads (on the read thread) share the agent; add/remove peer and register lock it
+        config.syncMode = nixl.NIXL_THREAD_SYNC_RW
+        try:
+            agent = nixl.nixlAgent(agent_name, config)
+            if "UCX" not in agent.getAvailPlugins():
+                raise RuntimeError(f"NIXL has no UCX plugin (plugins: {agent.getAvailPlugins()})")
+            self._ucx = agent.createBackend("UCX", {"num_workers": str(num_workers)})
+        except Exception as e:
+            raise RuntimeError(f"NIXL agent {agent_name!r} failed to start: {e}") from e
+        self._agent = agent
+        self.agent_name = agent_name
+        self._timeout = read_timeout_s
+        self._locals: dict[str, _Local] = {}
+        self._peers: dict[str, _Peer] = {}
+
+    # ---- local regions -----------------------------------------------------------------
+
+    def _register(self, region: Region) -> None:
+        nixl = self._nixl
+        device = _device_id(region)
+        mem = nixl.DRAM_SEG if device < 0 else nixl.VRAM_SEG
+        dev_id = max(device, 0)
+        reg = nixl.nixlRegDList(mem, [(region.addr, region.span_bytes, dev_id, "")])
+        self._agent.registerMem(reg, [self._ucx])
+        pages = _strided(region.addr, region.page_bytes, dev_id, region.stride_bytes, region.num_pages)
+        dlist = self._agent.prepXferDlist(nixl.NIXL_INIT_AGENT, mem, pages, [self._ucx])
+        self._locals[region.name] = _Local(reg, dlist)
+
+    def metadata(self) -> bytes:
+        regions = [RegionDesc(r.name, r.addr, r.page_bytes, r.stride_bytes, r.num_pages,
+                              device=_device_id(r)) for r in self._regions.values()]
+        return encode_metadata(NixlMetadata(METADATA_VERSION, self.agent_name,
+                                            self._agent.getLocalMD(), regions))
+
+    # ---- peers -------------------------------------------------------------------------
+
+    def add_peer(self, peer_id: str, metadata: bytes) -> None:
+        md = decode_metadata(metadata, NixlMetadata)
+        if peer_id in self._peers:
+            raise ValueError(f"peer {peer_id!r} is already added (remove_peer first)")
+        names = {self.agent_name} | {p.agent_name for p in self._peers.values()}
+        if md.agent_name in names:
+            raise ValueError(f"NIXL agent name {md.agent_name!r} is already in use here: "
+                             "agent names must be unique per process")
+        nixl, agent = self._nixl, self._agent
+        try:
+            name = agent.loadRemoteMD(md.agent_metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+        except Exception as e:
+            raise ValueError(f"peer {peer_id!r}: NIXL rejected its agent metadata: {e}") from e
+        peer = _Peer(name, {r.name: r for r in md.regions}, {})
+        self._peers[peer_id] = peer
+        try:
+            for r in md.regions:
+                mem = nixl.DRAM_SEG if r.device < 0 else nixl.VRAM_SEG
+                pages = _strided(r.addr, r.page_bytes, max(r.device, 0), r.stride_bytes, r.num_pages)
+                peer.dlists[r.name] = agent.prepXferDlist(name, mem, pages, [self._ucx])
+            agent.makeConnection(name, [self._ucx])
+        except Exception as e:
+            self.remove_peer(peer_id)
+            raise RuntimeError(f"peer {peer_id!r} (agent {name!r}): NIXL could not connect: {e}") from e
+        logger.info("nixl: added peer %s (agent %s, %d regions)", peer_id, name, len(md.regions))
+
+    def _has_peer(self, peer_id: str) -> bool:
+        return peer_id in self._peers
+
+    def _drop_peer(self, peer_id: str) -> None:
+        peer = self._peers.pop(peer_id)
+        for dlist in peer.dlists.values():
+            self._agent.releasedDlistH(dlist)
+        try:
+            self._agent.invalidateRemoteMD(peer.agent_name)
+        except Exception as e:
+            logger.debug("nixl: invalidateRemoteMD(%s): %s", peer.agent_name, e)
+
+    def _remote_region(self, peer_id: str, name: str) -> RegionDesc:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            raise KeyError(f"unknown peer {peer_id!r}")
+        region = peer.regions.get(name)
+        if region is None:
+            raise KeyError(f"peer {peer_id!r} has no region {name!r} (has {sorted(peer.regions)})")
+        return region
+
+    # ---- reads -------------------------------------------------------------------------
+
+    def _prepare_read(self, handle: TransferHandle, remote: RegionDesc, src: np.ndarray,
+                      local: Region, dst: np.ndarray) -> Callable[[], None]:
+        local_dlist = self._locals[local.name].dlist
+        remote_dlist = self._peers[handle.peer_id].dlists[remote.name]
+        return functools.partial(self._run_read, local_dlist, dst.astype(np.int32),
+                                 remote_dlist, src.astype(np.int32))
+
+    def _run_read(self, local_dlist: int, dst: np.ndarray, remote_dlist: int, src: np.ndarray) -> None:
+        nixl, agent = self._nixl, self._agent
+        req = agent.makeXferReq(nixl.NIXL_READ, local_dlist, dst, remote_dlist, src, "", [self._ucx])
+        try:
+            status = agent.postXferReq(req)  # CMA copies right here (the GIL is released)
+            deadline = time.monotonic() + self._timeout
+            while status == nixl.NIXL_IN_PROG:  # RDMA: the NIC copies; wait for its completion
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"NIXL read still in progress after {self._timeout} s")
+                time.sleep(20e-6)
+                status = agent.getXferStatus(req)
+            if status != nixl.NIXL_SUCCESS:
+                raise RuntimeError(f"NIXL read failed: {status}")
+        finally:  # NOTE: releasing an unfinished request aborts it; never release one twice
+            agent.releaseXferReq(req)
+
+    def _close(self) -> None:
+        for peer_id in list(self._peers):
+            self._drop_peer(peer_id)
+        for loc in self._locals.values():
+            self._agent.releasedDlistH(loc.dlist)
+            self._agent.deregisterMem(loc.reg_dlist, [self._ucx])
+        self._locals.clear()
+        self._agent = None  # the agent's destructor stops its progress thread
+
+
+def _device_id(region: Region) -> int:
+    device = region.tensor.device
+    return (device.index or 0) if device.type == "cuda" else -1
+
+
+def _strided(addr: int, page_bytes: int, dev_id: int, stride: int, count: int) -> np.ndarray:
+    """A one-row compressed descriptor list: `count` pages of `page_bytes`, `stride` apart."""
+    return np.array([[addr, page_bytes, dev_id, stride, count]], dtype=np.uint64)

@@ -1,0 +1,125 @@
+"""The FastAPI app: routes, OpenAI-shaped errors, request counting.
+
+    POST /v1/chat/completions   chat.py
+    POST /v1/completions        completions.py
+    GET  /v1/models             the served model
+    GET  /health                every rank with role, index, pid, state, load; 503 while
+                                loading or with no live rank
+    GET  /metrics               Prometheus text (metrics.py)
+Every error is {"error": {"message", "type", "param", "code"}}: APIError as raised,
+validation failures as 400 (never FastAPI's 422), unknown routes 404, anything else 500.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from pd_server.api_models import ChatCompletionRequest, CompletionRequest
+from pd_server.chat import create_chat_completion
+from pd_server.completions import create_completion
+from pd_server.errors import APIError, error_body
+from pd_server.responses import ModelCard, ModelList, to_json
+from pd_server.serving import ServerContext
+
+log = logging.getLogger("pd_server.app")
+JSON = "application/json"
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "literal", "TextPart",
+                        "NamedToolChoice"})
+
+
+def _error(err: APIError) -> Response:
+    return Response(to_json(error_body(err)), status_code=err.status, media_type=JSON)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    e = errs[0]
+    # Union members add their type to the path ("str", "list[int]", "function-after[...]"): drop it.
+    loc = [str(x) for x in e.get("loc", ()) if x != "body" and str(x) not in _TYPE_TAGS and "[" not in str(x)]
+    param = ".".join(loc) or None
+    msg = e.get("msg", "invalid value").removeprefix("Value error, ")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+class RequestCounter:
+    """Pure ASGI middleware: counts responses by endpoint and status (streams included)."""
+
+    def __init__(self, app, ctx: ServerContext) -> None:
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            path = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.ctx.metrics.requests.labels(path, str(status[0])).inc()
+
+
+def build_app(ctx: ServerContext) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        if exc.status >= 500:
+            log.error("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        return _error(APIError(400, msg, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        return _error(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(req, request, ctx)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        return await create_completion(req, request, ctx)
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(ctx.model_name, ctx.created, ctx.registry.max_model_len, root=ctx.model_name)
+        return Response(to_json(ModelList([card])), media_type=JSON)
+
+    @app.get("/health")
+    async def health():
+        reg, now = ctx.registry, time.monotonic()
+        status = reg.status
+        body = {"status": status, "model": ctx.model_name, "max_model_len": reg.max_model_len,
+                "rank_addr": ctx.dispatcher.address, "ranks": [r.describe(now) for r in reg.ranks.values()]}
+        return Response(to_json(body), status_code=200 if status == "ok" else 503, media_type=JSON)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    app.add_middleware(RequestCounter, ctx=ctx)
+    return app

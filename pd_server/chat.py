@@ -1,0 +1,122 @@
+"""POST /v1/chat/completions: render, validate, submit, then stream chunks or build one response.
+
+  1. check the model (404), render the conversation (prompts.py), check the prompt and fit
+     max_tokens to the context (400), build one Sampling per choice (n).
+  2. submit all choices to one rank (dispatcher.py): 503 none live, 429 all full.
+  3. streaming: one chunk per token event, each choice's first chunk carries the role;
+     tool calls (when tools are in play) come out as tool-call deltas once a call is
+     complete; a last chunk per choice carries finish_reason; include_usage adds a usage
+     chunk; then [DONE]. A failure after the start is an error event.
+  4. non-streaming: collect every choice, parse tool calls, answer with usage.
+"""
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pd_server import sse
+from pd_server.api_models import ChatCompletionRequest
+from pd_server.errors import APIError, error_body
+from pd_server.prompts import RenderedChat
+from pd_server.responses import (ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatMessageOut, Delta,
+                                 FunctionDelta, FunctionOut, ToolCallDelta, ToolCallOut, to_json)
+from pd_server.routing import RouteRequest
+from pd_server.sampling import check_prompt, fit_max_tokens, make_sampling
+from pd_server.serving import (Choice, ServerContext, SSEResponse, chat_logprobs, collect, new_request_id,
+                               route_headers, usage)
+from pd_server.tool_parser import ParsedToolCall, ToolCallParser, parse_tool_calls
+
+JSON = "application/json"
+
+
+async def create_chat_completion(req: ChatCompletionRequest, request: Request, ctx: ServerContext) -> Response:
+    arrival = time.perf_counter()
+    ctx.check_model(req.model)
+    max_len, vocab = ctx.limits()
+    chat = ctx.renderer.render(req)
+    check_prompt(chat.prompt_ids, max_len, vocab, "messages")
+    max_tokens = fit_max_tokens(req.requested_max_tokens, len(chat.prompt_ids), max_len, "max_tokens")
+    work = [(chat.prompt_ids, make_sampling(req, max_tokens, req.num_logprobs, i, chat.extra_stop))
+            for i in range(req.n)]
+    first_user = next((m.text for m in req.messages if m.role == "user"), "")
+    rid = new_request_id("chatcmpl")
+    handle = ctx.dispatcher.submit(rid, work, RouteRequest(chat.prompt_ids, req.n, first_user), arrival)
+    headers = route_headers(handle, rid)
+    if req.stream:
+        return SSEResponse(_stream(ctx, req, chat, handle, rid), handle.close, headers)
+    choices = await collect(handle, request)
+    body = ChatCompletion(rid, int(time.time()), ctx.model_name,
+                          [_choice(ctx, req, chat, i, c) for i, c in enumerate(choices)], usage(choices))
+    if req.return_token_ids:
+        body.prompt_token_ids = chat.prompt_ids
+    return Response(to_json(body), media_type=JSON, headers=headers)
+
+
+def _choice(ctx: ServerContext, req: ChatCompletionRequest, chat: RenderedChat, i: int, c: Choice) -> ChatChoice:
+    text = "".join(c.text)
+    reason = c.finish_reason
+    msg = ChatMessageOut(text)
+    if chat.tool_names is not None:
+        content, calls = parse_tool_calls(text, chat.tool_names, chat.forced_prefix)
+        if calls:
+            msg = ChatMessageOut(content, tool_calls=[ToolCallOut(k.id, FunctionOut(k.name, k.arguments))
+                                                      for k in calls])
+            reason = "tool_calls"  # as OpenAI and vLLM report it, whatever ended the text
+    out = ChatChoice(i, msg, reason, chat_logprobs(ctx, c.logprobs) if req.logprobs else None)
+    if req.return_token_ids:
+        out.token_ids = c.token_ids
+    return out
+
+
+def _call_deltas(calls: list[ParsedToolCall], first_index: int) -> list[ToolCallDelta]:
+    return [ToolCallDelta(first_index + j, k.id, "function", FunctionDelta(k.name, k.arguments))
+            for j, k in enumerate(calls)]
+
+
+async def _stream(ctx: ServerContext, req: ChatCompletionRequest, chat: RenderedChat, handle, rid: str):
+    created, model = int(time.time()), ctx.model_name
+    n = len(handle.sub_ids)
+    started = [False] * n
+    parsers = ([ToolCallParser(chat.tool_names, chat.forced_prefix) for _ in range(n)]
+               if chat.tool_names is not None else None)
+    choices = [Choice() for _ in range(n)]
+    event = sse.event
+    try:
+        async for batch in handle.batches():
+            out = []
+            for idx, ev in batch:
+                c = choices[idx]
+                c.add(ev)
+                delta = Delta(content=ev.text)
+                if not started[idx]:
+                    started[idx] = True
+                    delta.role = "assistant"
+                if parsers is not None:
+                    p = parsers[idx]
+                    before = p.num_calls
+                    text, calls = p.feed(ev.text)
+                    if ev.finish_reason is not None:
+                        t2, c2 = p.finish()
+                        text, calls = text + t2, calls + c2
+                    delta.content = text
+                    if calls:
+                        delta.tool_calls = _call_deltas(calls, before)
+                lp = chat_logprobs(ctx, ev.logprobs) if req.logprobs and ev.logprobs else None
+                choice = ChatChunkChoice(idx, delta, None, lp)
+                if req.return_token_ids:
+                    choice.token_ids = ev.token_ids
+                out.append(event(ChatChunk(rid, created, model, [choice])))
+                if ev.finish_reason is not None:
+                    reason = ev.finish_reason
+                    if parsers is not None and parsers[idx].num_calls:
+                        reason = "tool_calls"
+                    out.append(event(ChatChunk(rid, created, model, [ChatChunkChoice(idx, Delta(), reason)])))
+            yield b"".join(out)
+        if req.include_usage:
+            yield event(ChatChunk(rid, created, model, [], usage=usage(choices)))
+    except APIError as e:
+        yield sse.event(error_body(e))
+    yield sse.DONE
+

@@ -1,0 +1,92 @@
+"""POST /v1/completions: prompts as text, a list of texts, token ids or lists of token ids.
+
+Each prompt gets n choices, indexed prompt-major (prompt i, choice j -> index i * n + j),
+all submitted to one rank. Text prompts are tokenized with the tokenizer's special tokens
+(a BOS where the model wants one); token-id prompts go as given. Streaming sends one chunk
+per token event and a last chunk per choice with its finish_reason.
+"""
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pd_server import sse
+from pd_server.api_models import CompletionRequest
+from pd_server.errors import APIError, bad_request, error_body
+from pd_server.responses import Completion, CompletionChoice, to_json
+from pd_server.routing import RouteRequest
+from pd_server.sampling import check_prompt, fit_max_tokens, make_sampling
+from pd_server.serving import (Choice, ServerContext, SSEResponse, collect, completion_logprobs, new_request_id,
+                               route_headers, usage)
+
+
+async def create_completion(req: CompletionRequest, request: Request, ctx: ServerContext) -> Response:
+    arrival = time.perf_counter()
+    ctx.check_model(req.model)
+    max_len, vocab = ctx.limits()
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
+    prompts: list[list[int]] = []
+    for p in req.prompts:
+        ids = list(ctx.tokenizer(p).input_ids) if isinstance(p, str) else p
+        check_prompt(ids, max_len, vocab, "prompt")
+        prompts.append(ids)
+    work = []
+    for ids in prompts:
+        max_tokens = fit_max_tokens(req.requested_max_tokens, len(ids), max_len, "max_tokens")
+        work += [(ids, make_sampling(req, max_tokens, req.logprobs, j)) for j in range(req.n)]
+    rid = new_request_id("cmpl")
+    handle = ctx.dispatcher.submit(rid, work, RouteRequest(prompts[0], len(work)), arrival)
+    headers = route_headers(handle, rid)
+    echoes = [_echo(ctx, req, p) for p in req.prompts] if req.echo else None
+    if req.stream:
+        return SSEResponse(_stream(ctx, req, handle, rid, echoes), handle.close, headers)
+    choices = await collect(handle, request)
+    out = []
+    for i, c in enumerate(choices):
+        prefix = echoes[i // req.n] if echoes else ""
+        lp = completion_logprobs(ctx, c.logprobs, len(prefix)) if req.logprobs is not None else None
+        choice = CompletionChoice(i, prefix + "".join(c.text), c.finish_reason, lp)
+        if req.return_token_ids:
+            choice.token_ids, choice.prompt_token_ids = c.token_ids, work[i][0]
+        out.append(choice)
+    body = Completion(rid, int(time.time()), ctx.model_name, out, usage=usage(choices, len(prompts)))
+    return Response(to_json(body), media_type="application/json", headers=headers)
+
+
+def _echo(ctx: ServerContext, req: CompletionRequest, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+async def _stream(ctx: ServerContext, req: CompletionRequest, handle, rid: str, echoes: list[str] | None):
+    created, model, event = int(time.time()), ctx.model_name, sse.event
+    n_choices = len(handle.sub_ids)
+    choices = [Choice() for _ in range(n_choices)]
+    offsets = [len(echoes[i // req.n]) if echoes else 0 for i in range(n_choices)]
+    try:
+        if echoes:
+            yield b"".join(event(Completion(rid, created, model, [CompletionChoice(i, echoes[i // req.n], None)]))
+                           for i in range(n_choices))
+        async for batch in handle.batches():
+            out = []
+            for idx, ev in batch:
+                choices[idx].add(ev)
+                lp = None
+                if req.logprobs is not None and ev.logprobs:
+                    lp = completion_logprobs(ctx, ev.logprobs, offsets[idx])
+                offsets[idx] += len(ev.text)
+                choice = CompletionChoice(idx, ev.text, None, lp)
+                if req.return_token_ids:
+                    choice.token_ids = ev.token_ids
+                out.append(event(Completion(rid, created, model, [choice])))
+                if ev.finish_reason is not None:
+                    out.append(event(Completion(rid, created, model,
+                                                [CompletionChoice(idx, "", ev.finish_reason)])))
+            yield b"".join(out)
+        if req.include_usage:
+            yield event(Completion(rid, created, model, [], usage=usage(choices, n_choices // req.n)))
+    except APIError as e:
+        yield event(error_body(e))
+    yield sse.DONE

@@ -1,0 +1,308 @@
+"""The router's rank socket: send work, route token events back, watch that ranks live.
+
+Life of a request here:
+  1. submit() picks a rank (routing.pick_rank), records one Pending per sub-request (n
+     choices x prompts, all on that rank) and sends one Generate each.
+  2. The receive loop decodes each TokenBatch and puts (choice index, TokenEvent) on the
+     request's asyncio queue; the last event of a sub-request (finish_reason set) retires it.
+  3. A RequestError, or the death of the rank, puts a Failure on the queue instead. A
+     sub-request that has produced no token yet when its rank dies is re-sent once to
+     another live rank (nothing was streamed, so nothing is lost).
+  4. Handle.close() (the handler's finally: done, failed or client gone) sends Abort for
+     whatever has not finished, so the rank frees its pages at once.
+Everything runs on the event loop thread; the socket is a zmq.asyncio ROUTER whose sends
+never block (no high-water mark; ROUTER_MANDATORY turns a vanished peer into an error).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pd_server.config import RouterConfig
+from pd_server.errors import APIError
+from pd_server.metrics import RouterMetrics
+from pd_server.protocol.codec import Codec
+from pd_server.protocol.rank_router import Goodbye, Hello, RankStats, RequestError, TokenBatch, TokenEvent
+from pd_server.protocol.router_rank import Abort, Generate, Ping, Reject, Sampling, Shutdown
+from pd_server.ranks import DEAD, Rank, RankRegistry, version_mismatch
+from pd_server.routing import RouteRequest, RoutingPolicy, pick_rank
+
+log = logging.getLogger("pd_server.dispatcher")
+
+
+@dataclass(frozen=True)
+class Failure:
+    status: int
+    message: str
+
+
+@dataclass
+class _Pending:
+    msg: Generate
+    queue: asyncio.Queue
+    index: int  # choice index in the HTTP response
+    rank: Rank
+    arrival: float  # perf_counter at HTTP arrival
+    last: float = 0.0  # perf_counter of the last token event; 0 before the first
+    retried: bool = False
+
+
+@dataclass
+class Handle:
+    """One HTTP request's sub-requests. Iterate `batches()`; always `close()` (idempotent)."""
+
+    dispatcher: "Dispatcher"
+    sub_ids: list[str]
+    rank: Rank
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _open: int = 0
+
+    async def batches(self):
+        """Yields lists of (choice index, TokenEvent) as they arrive, until every sub-request
+        finished. Raises APIError on a Failure (the caller then closes the handle)."""
+        self._open = len(self.sub_ids)
+        q = self.queue
+        while self._open:
+            items = [await q.get()]
+            while not q.empty():
+                items.append(q.get_nowait())
+            for _, item in items:
+                if isinstance(item, Failure):
+                    raise APIError(item.status, item.message)
+                if item.finish_reason is not None:
+                    self._open -= 1
+            yield items
+
+    def close(self) -> None:
+        for sid in self.sub_ids:
+            self.dispatcher.abort(sid)
+
+
+class Dispatcher:
+    def __init__(self, cfg: RouterConfig, registry: RankRegistry, policy: RoutingPolicy,
+                 metrics: RouterMetrics) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.pending: dict[str, _Pending] = {}
+        self.address = ""
+        self._codec = Codec()
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._tasks: list[asyncio.Task] = []
+
+    def bind(self) -> str:
+        """Bind the rank socket (before ranks start); returns the resolved address."""
+        s = self._sock
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(self.cfg.rank_addr)
+        self.address = s.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.address
+
+    def start(self) -> None:
+        """Start the receive and heartbeat loops on the running event loop."""
+        self._tasks = [asyncio.create_task(self._recv_loop(), name="rank-recv"),
+                       asyncio.create_task(self._heartbeat_loop(), name="rank-heartbeat")]
+
+    async def close(self, reason: str = "router shutting down") -> None:
+        for rank in self.registry.live():
+            self._send(rank, Shutdown(reason))
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.close(linger=200)
+        self._ctx.term()
+
+    # ---- requests ------------------------------------------------------------------------
+    def submit(self, request_id: str, work: list[tuple[list[int], Sampling]], route: RouteRequest,
+               arrival: float, role: str = "colocated") -> Handle:
+        """Send every (prompt ids, sampling) as one sub-request to one rank. Raises APIError
+        503 (no live rank) or 429 (all full); sends nothing then."""
+        rank = pick_rank(self.registry, self.policy, route, role, self.cfg.max_inflight_per_rank)
+        handle = Handle(self, [f"{request_id}-{i}" for i in range(len(work))], rank)
+        now = time.time()
+        for i, (sid, (prompt, sampling)) in enumerate(zip(handle.sub_ids, work)):
+            msg = Generate(sid, prompt, sampling, now)
+            self.pending[sid] = _Pending(msg, handle.queue, i, rank, arrival)
+            rank.inflight.add(sid)
+            self._send(rank, msg)
+        rank.routed += 1
+        if self.cfg.log_requests:
+            log.info("%s -> %s (%d sequence(s), %d prompt tokens)", request_id, rank.name, len(work),
+                     len(work[0][0]))
+        return handle
+
+    def abort(self, sub_id: str) -> None:
+        p = self.pending.pop(sub_id, None)
+        if p is None:
+            return
+        p.rank.inflight.discard(sub_id)
+        if p.rank.live:
+            self._send(p.rank, Abort(sub_id))
+
+    def _send(self, rank: Rank, msg: msgspec.Struct) -> None:
+        if rank.identity is None:
+            return
+        try:
+            self._sock.send_multipart([rank.identity, self._codec.encode(msg)], flags=zmq.DONTWAIT).result()
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer's connection is gone
+            self._rank_died(rank, f"{rank.name} unreachable ({e})")
+
+    # ---- receive -----------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart()
+            self._on_frames(frames)
+            for _ in range(256):  # drain what is already queued without a wake-up each
+                try:
+                    frames = sock.recv_multipart(flags=zmq.DONTWAIT).result()
+                except zmq.Again:
+                    break
+                self._on_frames(frames)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        try:
+            self._on_frame(frames[0], frames[1])
+        except Exception:  # noqa: BLE001 - one bad frame must not stop the loop
+            log.exception("error handling a frame from %r", frames[0])
+
+    def _on_frame(self, identity: bytes, frame: bytes) -> None:
+        rank = self.registry.by_identity(identity)
+        try:
+            msg = self._codec.decode_from_rank(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            version = self._codec.probe_hello_version(frame)
+            if version is not None:
+                reason = version_mismatch(version)
+                log.warning("refusing rank %r: %s", identity, reason)
+                self._reply(identity, Reject(reason))
+            else:
+                log.error("undecodable frame from %r: %s", identity, e)
+            return
+        now = time.monotonic()
+        if isinstance(msg, Hello):
+            reply = self.registry.on_hello(identity, msg, now, self.cfg.heartbeat_interval_s)
+            if isinstance(reply, Reject):
+                log.warning("refusing rank %s-%d (pid %d): %s", msg.role, msg.index, msg.pid, reply.reason)
+            elif rank is None:
+                log.info("rank %s ready (pid %d, max_model_len %d)", reply.rank_name, msg.pid, msg.max_model_len)
+            self._reply(identity, reply)
+            return
+        if rank is None or not rank.live:
+            self._reply(identity, Shutdown("unknown or dead rank: its requests were failed"))
+            return
+        rank.last_seen = now
+        if isinstance(msg, TokenBatch):
+            self._on_tokens(msg.events)
+        elif isinstance(msg, RankStats):
+            self._on_stats(rank, msg)
+        elif isinstance(msg, RequestError):
+            self._fail(msg.request_id, Failure(msg.status, msg.message))
+        elif isinstance(msg, Goodbye):
+            self._rank_died(rank, f"{rank.name} left: {msg.reason}")
+
+    def _reply(self, identity: bytes, msg: msgspec.Struct) -> None:
+        try:
+            self._sock.send_multipart([identity, self._codec.encode(msg)], flags=zmq.DONTWAIT).result()
+        except zmq.ZMQError:
+            pass
+
+    def _on_tokens(self, events: list[TokenEvent]) -> None:
+        m = self.metrics
+        now = time.perf_counter()
+        for ev in events:
+            p = self.pending.get(ev.request_id)
+            if p is None:
+                continue  # aborted; the rank had not heard yet
+            if p.last:
+                m.itl.observe(now - p.last)
+            else:
+                m.ttft.observe(now - p.arrival)
+            p.last = now
+            if ev.finish_reason is not None:
+                del self.pending[ev.request_id]
+                p.rank.inflight.discard(ev.request_id)
+                self._on_finished(p, ev, now)
+            p.queue.put_nowait((p.index, ev))
+
+    def _on_finished(self, p: _Pending, ev: TokenEvent, now: float) -> None:
+        m = self.metrics
+        m.e2e.observe(now - p.arrival)
+        if self.cfg.log_requests:
+            log.info("%s done on %s: %s, %d+%d tokens (%d cached), %.3fs", ev.request_id, p.rank.name,
+                     ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, now - p.arrival)
+        m.prompt_tokens.inc(ev.prompt_tokens)
+        m.cached_tokens.inc(ev.cached_tokens)
+        m.completion_tokens.inc(ev.completion_tokens)
+        t = ev.times
+        if t is not None:
+            m.phase.labels("queue").observe(max(0.0, t.arrived - p.msg.sent_at))
+            m.phase.labels("prefill").observe(max(0.0, t.first_token - t.arrived))
+            m.phase.labels("decode").observe(max(0.0, t.finished - t.first_token))
+
+    def _on_stats(self, rank: Rank, s: RankStats) -> None:
+        rank.stats = s
+        m, name = self.metrics, rank.name
+        m.rank_queue.labels(name).set(s.waiting)
+        m.rank_running.labels(name).set(s.running)
+        m.rank_pages.labels(name).set(s.pages_used)
+        m.rank_pages_total.labels(name).set(s.pages_total)
+        m.rank_host_lookup.labels(name).set(s.host_cache_lookup_tokens)
+        m.rank_host_hits.labels(name).set(s.host_cache_hit_tokens)
+
+    def _fail(self, sub_id: str, failure: Failure) -> None:
+        p = self.pending.pop(sub_id, None)
+        if p is not None:
+            p.rank.inflight.discard(sub_id)
+            p.queue.put_nowait((p.index, failure))
+
+    # ---- liveness --------------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for rank, reason in self.registry.find_dead(now, self.cfg.rank_timeout_s):
+                self._rank_died(rank, reason)
+            ping = Ping(time.time())
+            for rank in self.registry.live():
+                self._send(rank, ping)
+            for rank in self.registry.ranks.values():
+                self.metrics.rank_up.labels(rank.name, rank.role).set(1 if rank.live else 0)
+                self.metrics.rank_inflight.labels(rank.name).set(len(rank.inflight))
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+
+    def _rank_died(self, rank: Rank, reason: str) -> None:
+        if rank.state == DEAD:
+            return
+        lost = self.registry.mark_dead(rank, reason)
+        log.error("rank %s is dead: %s; failing or moving its %d requests", rank.name, reason, len(lost))
+        for sid in lost:
+            p = self.pending.get(sid)
+            if p is None:
+                continue
+            if not p.last and not p.retried and self._retry(sid, p):
+                continue
+            self._fail(sid, Failure(500, f"rank {rank.name} died while serving this request ({reason})"))
+
+    def _retry(self, sid: str, p: _Pending) -> bool:
+        """Re-send a sub-request that has no output yet to another live rank."""
+        try:
+            rank = pick_rank(self.registry, self.policy, RouteRequest(p.msg.prompt_ids, 1), p.rank.role,
+                             self.cfg.max_inflight_per_rank)
+        except APIError:
+            return False
+        log.warning("moving %s from dead %s to %s", sid, p.rank.name, rank.name)
+        p.rank, p.retried = rank, True
+        rank.inflight.add(sid)
+        self._send(rank, p.msg)
+        return True

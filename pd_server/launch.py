@@ -1,0 +1,178 @@
+"""Start a whole system in one process group: the router here, its ranks as child processes.
+
+    python -m pd_server.launch --colocated 2 [--model NAME|PATH] [--port 8000] [--host 127.0.0.1]
+                               [router flags] [engine flags, forwarded to every rank]
+
+  1. Resolve the model once here (GGUF conversion, if any, happens before ranks start) and
+     load its tokenizer.
+  2. Bind the rank socket (tcp://127.0.0.1:<free port> by default) and start each rank
+     (`python -m decode.rank`) pointed at it, its logs in --run-dir when given. CPU threads
+     are divided among the ranks (engine --num-threads 0 -> cores // ranks, at least 1).
+  3. Serve HTTP (uvicorn) until SIGINT/SIGTERM; /health turns 200 once every rank said Hello.
+  4. On the way out: Shutdown to every rank, wait a few seconds, then SIGTERM/SIGKILL any
+     that remain. Ranks also exit by themselves when the router goes silent.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from pd_server.cli_args import add_dataclass_args, from_args, opt
+from pd_server.config import RouterConfig
+
+log = logging.getLogger("pd_server.launch")
+EXIT_USAGE = 2
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    colocated: int = opt(1, "colocated ranks to start (each prefills and decodes)")
+    prefill: int = opt(0, "prefill ranks (PD mode; arrives with the prefill/decode issue)")
+    decode: int = opt(0, "decode ranks (PD mode; arrives with the prefill/decode issue)")
+    run_dir: str = opt("", "directory for rank logs (default: ranks log to this process's stderr)")
+    fake_ranks: bool = opt(False, "start stand-in ranks (decode/fake_rank.py, no model) for router benchmarks/tests")
+    fake_step_ms: float = opt(0.0, "with --fake-ranks: pause between their steps (0: as fast as they can)")
+    rank_shutdown_s: float = opt(5.0, "how long ranks get to exit on shutdown before SIGKILL")
+
+    def __post_init__(self) -> None:
+        if min(self.colocated, self.prefill, self.decode) < 0:
+            raise ValueError("rank counts must be >= 0")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.colocated + self.prefill + self.decode
+
+
+def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router_addr: str) -> list[str]:
+    module = "decode.fake_rank" if launch.fake_ranks else "decode.rank"
+    cmd = [sys.executable, "-m", module, "--role", role, "--index", str(index), "--router-addr", router_addr]
+    for f in fields(engine_cfg):  # only what differs from the engine's defaults
+        value = getattr(engine_cfg, f.name)
+        if f.name == "hicache_shm_name" and value:
+            value = f"{value}-{role}-{index}"  # one host cache file per rank
+        if value != f.default:
+            cmd += ["--" + f.name.replace("_", "-"), str(value)]
+    if launch.fake_ranks:
+        cmd += ["--step-ms", str(launch.fake_step_ms)]
+    return cmd
+
+
+def spawn_ranks(engine_cfg, launch: LaunchConfig, router_addr: str, registry) -> list[subprocess.Popen]:
+    procs = []
+    if launch.run_dir:
+        Path(launch.run_dir).mkdir(parents=True, exist_ok=True)
+    for i in range(launch.colocated):
+        log_file = None
+        if launch.run_dir:
+            log_file = open(Path(launch.run_dir) / f"rank-colocated-{i}.log", "ab")  # noqa: SIM115 - child owns it
+        cmd = rank_command(engine_cfg, launch, "colocated", i, router_addr)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file,
+                                stderr=subprocess.STDOUT if log_file else None)
+        if log_file:
+            log_file.close()
+        registry.expect("colocated", i, proc)
+        procs.append(proc)
+        log.info("started colocated-%d (pid %d)", i, proc.pid)
+    return procs
+
+
+def reap(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Wait for ranks to exit; SIGTERM then SIGKILL the ones that do not."""
+    for sig, wait in ((None, grace_s), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
+        alive = [p for p in procs if p.poll() is None]
+        if not alive:
+            return
+        for p in alive:
+            if sig is not None:
+                p.send_signal(sig)
+        for p in alive:
+            try:
+                p.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, model_name: str) -> None:
+    """Run the router and its ranks until a signal; `model_name` is the served id."""
+    import uvicorn
+
+    from pd_server.app import build_app
+    from pd_server.dispatcher import Dispatcher
+    from pd_server.metrics import RouterMetrics
+    from pd_server.prompts import ChatRenderer
+    from pd_server.ranks import RankRegistry
+    from pd_server.routing import make_policy
+    from pd_server.serving import ServerContext
+
+    from engine.model_cache import served_name
+
+    registry, metrics = RankRegistry(served_name(engine_cfg.model)), RouterMetrics()
+    dispatcher = Dispatcher(cfg, registry, make_policy(cfg.routing_policy), metrics)
+    addr = dispatcher.bind()
+    log.info("rank socket at %s", addr)
+    procs = spawn_ranks(engine_cfg, launch, addr, registry)
+    ctx = ServerContext(cfg, model_name, frozenset({model_name, engine_cfg.model}), tokenizer,
+                        ChatRenderer(tokenizer), registry, dispatcher, metrics)
+    server = uvicorn.Server(uvicorn.Config(build_app(ctx), host=cfg.host, port=cfg.port, log_level="warning",
+                                           access_log=False, lifespan="off", timeout_graceful_shutdown=2))
+    # uvicorn captures SIGINT/SIGTERM while serving and re-raises them afterwards: make that a no-op
+    # so the cleanup below always runs.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    dispatcher.start()
+    log.info("serving %s on http://%s:%d with %d rank(s)", model_name, cfg.host, cfg.port, launch.num_ranks)
+    try:
+        await server.serve()
+    finally:
+        await dispatcher.close()
+        await asyncio.to_thread(reap, procs, launch.rank_shutdown_s)
+        log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.config import EngineConfig, add_cli_args, from_cli_args
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_dataclass_args(ap, LaunchConfig)
+    add_dataclass_args(ap, RouterConfig)
+    add_cli_args(ap, EngineConfig)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
+    try:
+        launch, cfg = from_args(args, LaunchConfig), from_args(args, RouterConfig)
+        engine_cfg = from_cli_args(args, EngineConfig)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if launch.prefill or launch.decode:
+        print("error: PD mode (--prefill/--decode) arrives with the prefill/decode issue; "
+              "use --colocated N for now", file=sys.stderr)
+        return EXIT_USAGE
+    if launch.num_ranks < 1:
+        print("error: start at least one rank (--colocated N)", file=sys.stderr)
+        return EXIT_USAGE
+    if engine_cfg.num_threads == 0:
+        engine_cfg = replace(engine_cfg, num_threads=max(1, (os.cpu_count() or 1) // launch.num_ranks))
+    log.info("%d rank(s), %d torch thread(s) each", launch.num_ranks, engine_cfg.num_threads)
+
+    from transformers import AutoTokenizer
+
+    from engine.model_cache import cached_model_dir, served_name
+
+    model_dir = cached_model_dir(engine_cfg.model)  # converts a GGUF once, before any rank starts
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model_name = cfg.served_model_name or served_name(engine_cfg.model)
+    asyncio.run(serve(cfg, engine_cfg, launch, tokenizer, model_name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

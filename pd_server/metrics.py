@@ -1,0 +1,50 @@
+"""Prometheus metrics for GET /metrics, in the router's own registry (no import-time globals).
+
+Latencies are measured at the router (what a client sees, minus the network): TTFT from
+the request's arrival to its first token event, inter-token latency between events,
+end-to-end to the last. Phase times come from the ranks' PhaseTimes (rank clocks; the
+router and the ranks share a host today, so wall clocks agree).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("pdserve_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("pdserve_cached_prompt_tokens", "prompt tokens served from a prefix cache",
+                                     registry=r)
+        self.completion_tokens = Counter("pdserve_completion_tokens", "generated tokens", registry=r)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "arrival to first token", buckets=_LAT,
+                              registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "between consecutive tokens of a request",
+                             buckets=_ITL, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "arrival to last token", buckets=_LAT,
+                             registry=r)
+        self.phase = Histogram("pdserve_phase_seconds", "per-phase time of a request on its rank "
+                               "(queue: router send to rank arrival; prefill: to first token; decode: to finish)",
+                               ["phase"], buckets=_LAT, registry=r)
+        self.rank_queue = Gauge("pdserve_rank_queue_depth", "waiting sequences on a rank", ["rank"], registry=r)
+        self.rank_running = Gauge("pdserve_rank_running", "running sequences on a rank", ["rank"], registry=r)
+        self.rank_pages = Gauge("pdserve_rank_kv_pages_used", "KV pages in use on a rank", ["rank"], registry=r)
+        self.rank_pages_total = Gauge("pdserve_rank_kv_pages_total", "KV pages on a rank", ["rank"], registry=r)
+        self.rank_inflight = Gauge("pdserve_rank_inflight", "requests the router has on a rank", ["rank"],
+                                   registry=r)
+        self.rank_up = Gauge("pdserve_rank_up", "1 while a rank is live", ["rank", "role"], registry=r)
+        self.rank_host_lookup = Gauge("pdserve_rank_host_cache_lookup_tokens",
+                                      "prompt tokens a rank looked up in its host cache, since it started",
+                                      ["rank"], registry=r)
+        self.rank_host_hits = Gauge("pdserve_rank_host_cache_hit_tokens",
+                                    "prompt tokens a rank served from its host cache, since it started",
+                                    ["rank"], registry=r)
+        # Transfer bytes/seconds (PD handoff) are registered by the prefill/decode issue.
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,27 @@
+"""Every message that crosses a process boundary in pdserve, one module per link.
+
+    router_rank.py   router -> rank   (Welcome, Reject, Generate, Abort, Ping, Shutdown)
+    rank_router.py   rank -> router   (Hello, TokenBatch of TokenEvent, RankStats, RequestError, Goodbye)
+    codec.py         msgpack encoder and the typed decoder for each direction
+
+Definitions only (plus the codec); the logic lives with the router (pd_server/) and the
+ranks (decode/, prefill/). The prefill -> decode KV handoff gets its own module here
+(prefill_decode.py) with the prefill/decode issue.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+# Bump PROTOCOL_VERSION whenever a rank built from one commit could misread a message
+# from a router built from another:
+#   - a field added, removed, renamed, retyped or reordered in any Struct of this package
+#     (array_like structs are positional, so order matters there);
+#   - a tag changed or a message type added or removed;
+#   - a change of meaning (units, a sentinel such as decode_rank=-1, what a status means).
+# Hello's first two array slots (the tag "hello", then protocol_version) never change: the
+# router reads them from any Hello, even one it cannot otherwise decode, and refuses the
+# rank with a message naming both versions.
+PROTOCOL_VERSION = 1
+
+Role = Literal["prefill", "decode", "colocated"]
+ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")

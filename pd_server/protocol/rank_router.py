@@ -1,0 +1,83 @@
+"""Rank -> router messages (each rank's DEALER socket to the router's ROUTER).
+
+  1. Hello once the model is loaded and warmed up (and again every few seconds until
+     the router answers). protocol_version stays its first field: see PROTOCOL_VERSION.
+  2. TokenBatch: everything one engine step produced, one TokenEvent per request that got
+     a token (or finished) in that step. The hot path: array_like.
+  3. RankStats every heartbeat interval: load for routing, gauges for /metrics, and the
+     router's proof that the rank lives.
+  4. RequestError: a request the rank refused (400: invalid for the engine) or lost
+     (500: the engine failed). The request is over on the rank.
+  5. Goodbye just before a clean exit.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class Hello(msgspec.Struct, frozen=True, array_like=True, tag="hello"):
+    protocol_version: int  # NOTE: always the first field (the router probes it)
+    role: str  # one of protocol.ROLES
+    index: int  # rank index within its role
+    pid: int
+    model: str  # served name (engine.model_cache.served_name), must match the router's
+    max_model_len: int  # prompt + output tokens the rank accepts
+    vocab_size: int
+    page_size: int
+    pages_total: int
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the k most likely (token id, logprob), best first
+
+
+class PhaseTimes(msgspec.Struct, frozen=True, array_like=True):
+    """Rank wall clock (time.time()) at each phase boundary of one request."""
+
+    arrived: float  # Generate received by the rank
+    first_token: float  # first output token sampled (end of prefill)
+    finished: float
+
+
+class TokenEvent(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    token_ids: list[int]  # new tokens, usually one
+    text: str  # new text since the last event (the detokenizer never splits a character)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
+    stop_str: str | None = None  # the stop string that ended the output, if any
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # total so far
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    times: PhaseTimes | None = None  # on the last event only
+
+
+class TokenBatch(msgspec.Struct, frozen=True, array_like=True, tag="tokens"):
+    events: list[TokenEvent]
+    sent_at: float  # rank wall clock
+
+
+class RankStats(msgspec.Struct, frozen=True, array_like=True, tag="stats"):
+    running: int
+    waiting: int  # queue depth
+    pages_used: int
+    pages_total: int
+    swa_slots_free: int
+    steps: int  # engine steps so far
+    host_cache_lookup_tokens: int = 0  # prompt tokens looked up in the host cache, since start
+    host_cache_hit_tokens: int = 0  # of those, tokens served from it
+
+
+class RequestError(msgspec.Struct, frozen=True, array_like=True, tag="error"):
+    request_id: str
+    status: int  # HTTP status the router should answer with: 400 invalid, 500 engine failure
+    message: str
+
+
+class Goodbye(msgspec.Struct, frozen=True, array_like=True, tag="goodbye"):
+    reason: str
+
+
+RankToRouter = Hello | TokenBatch | RankStats | RequestError | Goodbye

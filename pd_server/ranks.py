@@ -1,0 +1,135 @@
+"""The router's view of every rank: who it is, whether it lives, how loaded it is.
+
+Pure bookkeeping, no sockets (dispatcher.py does the IO), so it is unit-tested directly.
+A rank's states:
+    loading --Hello accepted--> ready --silent past the timeout / process gone / Goodbye--> dead
+Expected ranks (the ones the launcher started) are listed from the start as `loading`;
+a rank may also join later by saying Hello (started by hand). Dead is final: a rank that
+speaks again after being declared dead is told to shut down, since its requests failed.
+"""
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+
+from pd_server.protocol import PROTOCOL_VERSION
+from pd_server.protocol.rank_router import Hello, RankStats
+from pd_server.protocol.router_rank import Reject, Welcome
+
+LOADING, READY, DEAD = "loading", "ready", "dead"
+
+
+@dataclass
+class Rank:
+    role: str
+    index: int
+    pid: int | None = None
+    state: str = LOADING
+    identity: bytes | None = None  # ZeroMQ routing id, known after Hello
+    hello: Hello | None = None
+    stats: RankStats | None = None
+    last_seen: float = 0.0  # monotonic time of the last frame from the rank
+    inflight: set[str] = field(default_factory=set)  # request ids the rank holds (sub-request ids)
+    dead_reason: str = ""
+    process: subprocess.Popen | None = field(default=None, repr=False)  # when the launcher started it
+    routed: int = 0  # requests sent to it, ever
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def live(self) -> bool:
+        return self.state == READY
+
+    def describe(self, now: float) -> dict:
+        """One /health entry."""
+        s = self.stats
+        return {
+            "name": self.name, "role": self.role, "index": self.index, "pid": self.pid, "state": self.state,
+            "inflight": len(self.inflight), "routed": self.routed,
+            "running": s.running if s else 0, "waiting": s.waiting if s else 0,
+            "pages_used": s.pages_used if s else 0, "pages_total": s.pages_total if s else 0,
+            "last_seen_s": round(now - self.last_seen, 3) if self.last_seen else None,
+            **({"error": self.dead_reason} if self.dead_reason else {}),
+        }
+
+
+class RankRegistry:
+    def __init__(self, model: str) -> None:
+        self.model = model  # served name every rank must report
+        self.ranks: dict[str, Rank] = {}  # by name, in the order they became known
+        self._by_identity: dict[bytes, Rank] = {}
+
+    def expect(self, role: str, index: int, process: subprocess.Popen | None = None) -> Rank:
+        """Register a rank the launcher started; it shows as loading until its Hello."""
+        rank = Rank(role, index, pid=process.pid if process else None, process=process)
+        self.ranks[rank.name] = rank
+        return rank
+
+    def by_identity(self, identity: bytes) -> Rank | None:
+        return self._by_identity.get(identity)
+
+    def on_hello(self, identity: bytes, hello: Hello, now: float, heartbeat_s: float) -> Welcome | Reject:
+        """Admit or refuse a rank. Mutates the registry only when admitting."""
+        if hello.protocol_version != PROTOCOL_VERSION:
+            return Reject(version_mismatch(hello.protocol_version))
+        if hello.model != self.model:
+            return Reject(f"rank serves model {hello.model!r}, this router serves {self.model!r}")
+        name = f"{hello.role}-{hello.index}"
+        rank = self.ranks.get(name)
+        if rank is not None and rank.state == DEAD:
+            return Reject(f"{name} was declared dead ({rank.dead_reason}); start it under a new index")
+        if rank is not None and rank.identity not in (None, identity):
+            return Reject(f"another process already serves as {name} (pid {rank.pid})")
+        if rank is None:
+            rank = self.ranks[name] = Rank(hello.role, hello.index)
+        rank.pid, rank.identity, rank.hello = hello.pid, identity, hello
+        rank.state, rank.last_seen = READY, now
+        self._by_identity[identity] = rank
+        return Welcome(PROTOCOL_VERSION, name, heartbeat_s)
+
+    def live(self, role: str | None = None) -> list[Rank]:
+        return [r for r in self.ranks.values() if r.live and (role is None or r.role == role)]
+
+    def mark_dead(self, rank: Rank, reason: str) -> set[str]:
+        """Declare a rank dead; returns the request ids it held (the caller fails them)."""
+        if rank.state == DEAD:
+            return set()
+        rank.state, rank.dead_reason = DEAD, reason
+        lost, rank.inflight = rank.inflight, set()
+        return lost
+
+    def find_dead(self, now: float, timeout_s: float) -> list[tuple[Rank, str]]:
+        """Ranks that just died: process exited (launcher-started ranks) or silent past timeout_s.
+        Reaps exited child processes. Does not mark them: the caller does, failing their requests."""
+        out = []
+        for rank in self.ranks.values():
+            if rank.state == DEAD:
+                continue
+            code = rank.process.poll() if rank.process is not None else None
+            if code is not None:
+                out.append((rank, f"{rank.name} (pid {rank.pid}) exited with code {code}"))
+            elif rank.state == READY and now - rank.last_seen > timeout_s:
+                out.append((rank, f"{rank.name} (pid {rank.pid}) silent for {now - rank.last_seen:.1f}s"))
+        return out
+
+    @property
+    def status(self) -> str:
+        """loading: an expected rank has not said Hello yet (requests still go to live ranks);
+        ok: none is loading and at least one lives; unavailable: none lives."""
+        states = [r.state for r in self.ranks.values()]
+        if LOADING in states:
+            return "loading"
+        return "ok" if READY in states else "unavailable"
+
+    @property
+    def max_model_len(self) -> int:
+        """The context every live rank accepts (0 with none)."""
+        lens = [r.hello.max_model_len for r in self.live() if r.hello]
+        return min(lens) if lens else 0
+
+
+def version_mismatch(rank_version: int) -> str:
+    return (f"protocol version mismatch: rank speaks {rank_version}, router speaks {PROTOCOL_VERSION}; "
+            "start the rank and the router from the same checkout")

@@ -1,0 +1,165 @@
+"""What the chat and completions handlers share: the server context, result collection with
+client-disconnect aborts, the streaming response, logprobs and usage.
+
+ServerContext is the one object handlers reach everything through (app.state.ctx); there
+are no module-level globals.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from pd_server import sse
+from pd_server.config import RouterConfig
+from pd_server.dispatcher import Dispatcher, Handle
+from pd_server.errors import APIError
+from pd_server.metrics import RouterMetrics
+from pd_server.prompts import ChatRenderer
+from pd_server.protocol.rank_router import TokenEvent, TokenLogprob
+from pd_server.ranks import RankRegistry
+from pd_server.responses import (ChatLogprobs, CompletionLogprobs, LogprobEntry, TopLogprob, Usage,
+                                 make_usage)
+
+
+@dataclass
+class ServerContext:
+    cfg: RouterConfig
+    model_name: str  # the served id
+    model_aliases: frozenset[str]  # ids a request may name: the served id and the --model argument
+    tokenizer: object
+    renderer: ChatRenderer
+    registry: RankRegistry
+    dispatcher: Dispatcher
+    metrics: RouterMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_aliases:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def limits(self) -> tuple[int, int]:
+        """(max_model_len, vocab_size) the live ranks accept; 503 while none lives."""
+        live = [r.hello for r in self.registry.live() if r.hello]
+        if not live:
+            status = self.registry.status
+            raise APIError(503, "the model is still loading; retry shortly" if status == "loading"
+                           else "no live rank can serve this model")
+        return min(h.max_model_len for h in live), min(h.vocab_size for h in live)
+
+    def token_text(self, token_id: int) -> str:
+        t = self._token_text.get(token_id)
+        if t is None:
+            t = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return t
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Choice:
+    """One choice, accumulated from its TokenEvents."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, ev: TokenEvent) -> None:
+        self.token_ids += ev.token_ids
+        if ev.text:
+            self.text.append(ev.text)
+        if ev.logprobs:
+            self.logprobs += ev.logprobs
+        self.completion_tokens = ev.completion_tokens
+        self.prompt_tokens, self.cached_tokens = ev.prompt_tokens, ev.cached_tokens
+        if ev.finish_reason is not None:
+            self.finish_reason = ev.finish_reason
+
+
+async def collect(handle: Handle, request: Request) -> list[Choice]:
+    """Run a non-streaming request to the end. The client going away aborts it on the rank."""
+    choices = [Choice() for _ in handle.sub_ids]
+
+    async def run() -> None:
+        async for batch in handle.batches():
+            for idx, ev in batch:
+                choices[idx].add(ev)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(run())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        handle.close()
+    if not work.done() or work.cancelled():
+        raise APIError(499, "client disconnected")
+    work.result()  # raises the APIError of a failed request
+    return choices
+
+
+def usage(choices: list[Choice], prompts: int = 1) -> Usage:
+    """OpenAI counts each prompt once, however many choices it has (n)."""
+    per = max(1, len(choices) // max(1, prompts))
+    prompt = sum(c.prompt_tokens for c in choices[::per])
+    cached = sum(c.cached_tokens for c in choices[::per])
+    return make_usage(prompt, sum(c.completion_tokens for c in choices), cached)
+
+
+def chat_logprobs(ctx: ServerContext, lps: list[TokenLogprob]) -> ChatLogprobs:
+    def entry(lp: TokenLogprob) -> LogprobEntry:
+        text = ctx.token_text(lp.token_id)
+        top = [TopLogprob(ctx.token_text(i), v, list(ctx.token_text(i).encode())) for i, v in lp.top]
+        return LogprobEntry(text, lp.logprob, list(text.encode()), top)
+
+    return ChatLogprobs([entry(lp) for lp in lps])
+
+
+def completion_logprobs(ctx: ServerContext, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    tokens, offsets = [], []
+    for lp in lps:
+        t = ctx.token_text(lp.token_id)
+        tokens.append(t)
+        offsets.append(offset)
+        offset += len(t)
+    tops = [{ctx.token_text(i): v for i, v in lp.top} for lp in lps]
+    return CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, offsets)
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always runs `on_close` (abort whatever did not finish) and
+    closes its body, whether the stream ended, failed or the client went away."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict) -> None:
+        super().__init__(body, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()
+
+
+def route_headers(handle: Handle, request_id: str) -> dict[str, str]:
+    return {"x-request-id": request_id, "x-pdserve-rank": handle.rank.name}

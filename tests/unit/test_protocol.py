@@ -1,0 +1,96 @@
+"""Router <-> rank messages: round trips through the typed codec, direction checks, version refusal."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pd_server.protocol import PROTOCOL_VERSION
+from pd_server.protocol.codec import Codec
+from pd_server.protocol.rank_router import (Goodbye, Hello, PhaseTimes, RankStats, RequestError, TokenBatch,
+                                            TokenEvent, TokenLogprob)
+from pd_server.protocol.router_rank import Abort, Generate, Ping, Reject, Sampling, Shutdown, Welcome
+from pd_server.ranks import RankRegistry
+
+HELLO = Hello(PROTOCOL_VERSION, "colocated", 0, 1234, "smollm2-135m-instruct", 8192, 49152, 16, 728)
+
+TO_RANK = [
+    Welcome(PROTOCOL_VERSION, "colocated-0", 0.5),
+    Reject("nope"),
+    Generate("r-0", [1, 2, 3], Sampling(max_tokens=5, temperature=0.0, stop=("\n",), seed=7, logprobs=2), 1.5),
+    Generate("r-1", [9], Sampling(max_tokens=1), 2.0, decode_rank=3),
+    Abort("r-0"),
+    Ping(3.0),
+    Shutdown("bye"),
+]
+TO_ROUTER = [
+    HELLO,
+    TokenBatch([TokenEvent("r-0", [5], "hi"),
+                TokenEvent("r-1", [6, 7], "é", "stop", "\n", 3, 2, 1, [TokenLogprob(6, -0.5, [(6, -0.5), (8, -1.0)])],
+                           PhaseTimes(1.0, 2.0, 3.0))], 4.0),
+    RankStats(running=1, waiting=2, pages_used=3, pages_total=4, swa_slots_free=0, steps=9,
+              host_cache_lookup_tokens=64, host_cache_hit_tokens=32),
+    RequestError("r-0", 400, "bad"),
+    Goodbye("closing"),
+]
+
+
+@pytest.mark.parametrize("msg", TO_RANK, ids=lambda m: type(m).__name__)
+def test_router_to_rank_round_trip(msg):
+    c = Codec()
+    assert c.decode_from_router(c.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", TO_ROUTER, ids=lambda m: type(m).__name__)
+def test_rank_to_router_round_trip(msg):
+    c = Codec()
+    assert c.decode_from_rank(c.encode(msg)) == msg
+
+
+def test_decoders_accept_only_their_direction():
+    c = Codec()
+    with pytest.raises(msgspec.ValidationError):
+        c.decode_from_rank(c.encode(Abort("x")))
+    with pytest.raises(msgspec.ValidationError):
+        c.decode_from_router(c.encode(HELLO))
+    with pytest.raises(msgspec.DecodeError):
+        c.decode_from_rank(b"\xc1 not msgpack")
+
+
+def test_hot_path_is_compact():
+    # array_like: field names never cross the wire
+    frame = Codec().encode(TokenBatch([TokenEvent("r-0", [5], "hi")], 1.0))
+    assert b"token_ids" not in frame and b"request_id" not in frame and len(frame) < 40
+
+
+def test_hello_version_is_probed_from_a_newer_hello():
+    class NewerHello(msgspec.Struct, array_like=True, tag="hello"):
+        protocol_version: int
+        role: str
+        brand_new: list[int]
+
+    c = Codec()
+    frame = c.encode(NewerHello(PROTOCOL_VERSION + 1, "decode", [1]))
+    with pytest.raises(msgspec.ValidationError):
+        c.decode_from_rank(frame)
+    assert c.probe_hello_version(frame) == PROTOCOL_VERSION + 1
+    assert c.probe_hello_version(c.encode(RankStats(0, 0, 0, 0, 0, 0))) is None
+
+
+def test_registry_refuses_a_mismatched_version_with_both_versions_named():
+    reg = RankRegistry("smollm2-135m-instruct")
+    old = msgspec.structs.replace(HELLO, protocol_version=PROTOCOL_VERSION - 1)
+    reply = reg.on_hello(b"id", old, 0.0, 0.5)
+    assert isinstance(reply, Reject)
+    assert f"rank speaks {PROTOCOL_VERSION - 1}" in reply.reason and f"router speaks {PROTOCOL_VERSION}" in reply.reason
+    assert reg.live() == []
+    assert isinstance(reg.on_hello(b"id", HELLO, 0.0, 0.5), Welcome)
+
+
+def test_sampling_mirrors_engine_sampling_params():
+    from dataclasses import fields
+
+    from engine.sampling_params import SamplingParams
+
+    wire = set(Sampling.__struct_fields__)
+    engine = {f.name for f in fields(SamplingParams)} - {"extra"}
+    assert wire == engine, "Sampling and SamplingParams drifted apart (and bump PROTOCOL_VERSION)"
