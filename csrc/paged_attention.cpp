@@ -55,6 +55,7 @@ constexpr int64_t kMaxVecs = 32;  // D <= 512
 // one extra partial state (G * (D + 2) floats) and a merge.
 constexpr int64_t kMinChunk = 512;
 constexpr int64_t kMaxSplits = 64;
+constexpr int64_t kMinRowsPerThread = 2048;  // K+V rows of one kv head
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -351,9 +352,14 @@ template <typename T>
 void run(const Problem& p, int64_t batch, at::Tensor& out) {
   const int64_t G = p.groups, D = p.d, KVH = p.kvh;
   const int64_t pairs = batch * KVH;
-  const int64_t threads = at::get_num_threads();
-  int64_t max_ctx = 0;
-  for (int64_t b = 0; b < batch; ++b) max_ctx = std::max(max_ctx, p.ctx_lens[b]);
+  int64_t max_ctx = 0, rows = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    max_ctx = std::max(max_ctx, p.ctx_lens[b]);
+    rows += p.ctx_lens[b] * KVH;
+  }
+  // Waking a thread costs more than a few thousand rows of work.
+  const int64_t threads =
+      std::clamp<int64_t>(rows / kMinRowsPerThread, 1, std::max(1, at::get_num_threads()));
   const int64_t splits = choose_splits(pairs, threads, max_ctx);
   auto* attend = D == 64    ? &attend_chunk<T, 4>
                  : D == 128 ? &attend_chunk<T, 8>
