@@ -6,7 +6,9 @@
 An owner process (the prefill rank's role) puts a 512-page pool per page size in shared
 memory and registers it with both backends; this process (the decode rank's role) READs n
 pages into its own pool and waits for it (`wait`: no spinning poll loop to steal a core from
-the copy). Each time covers read() to completion, thread hand-off included.
+the copy). Each time covers read() to completion: reads up to 4 MiB run inline, bigger ones
+on the backend's read thread (hand-off included). The reader's NIXL agent runs without a
+progress thread, as a decode rank's should (see NixlBackend).
 Patterns: `rand` = random distinct pages on both sides (a real host pool), `seq` = pages
 0..n-1 on both sides (one run: NIXL merges it into one descriptor).
 memcpy = `dst[:n].copy_(src[:n])` of the same bytes inside this process. Medians of --reps
@@ -103,7 +105,7 @@ def main() -> None:
         readers: dict[str, TransferBackend] = {"shm": ShmBackend(copy_threads=args.threads)}
         t0 = time.perf_counter()
         try:
-            readers["nixl"] = NixlBackend(f"bench-reader-{os.getpid()}")
+            readers["nixl"] = NixlBackend(f"bench-reader-{os.getpid()}", progress_thread=False)
             print(f"NIXL agent start: {1e3 * (time.perf_counter() - t0):.0f} ms")
         except (ImportError, RuntimeError) as e:
             print(f"NIXL unavailable: {e}")

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pd_server.cli_args import opt
 from pd_server.protocol import ROLES, Role
+
+TransferKind = Literal["auto", "nixl", "shm"]
 
 
 @dataclass(frozen=True)
@@ -12,6 +15,8 @@ class RankConfig:
     role: Role = opt("colocated", "what this rank does")
     index: int = opt(0, "rank index within its role (names the rank: colocated-0)")
     router_addr: str = opt("", "ZeroMQ address of the router's rank socket, e.g. tcp://127.0.0.1:5555")
+    host: str = opt("127.0.0.1", "this rank's address for rank-to-rank sockets (decode ranks bind "
+                                 "tcp://HOST:*, prefill ranks connect from it); another host's IP across hosts")
     router_timeout_s: float = opt(5.0, "exit when the router has been silent this long (it pings every 0.5 s)")
     connect_timeout_s: float = opt(60.0, "exit when no router welcomes this rank within this long")
     hello_interval_s: float = opt(2.0, "repeat Hello this often until the router answers")
@@ -24,9 +29,37 @@ class RankConfig:
             raise ValueError("index must be >= 0")
         if not self.router_addr:
             raise ValueError("router_addr is required (the router prints it at start)")
+        if not self.host or ":" in self.host or "/" in self.host:
+            raise ValueError(f"host must be a plain IPv4 address or host name, got {self.host!r}")
         if self.router_timeout_s <= 0 or self.connect_timeout_s <= 0 or self.hello_interval_s <= 0:
             raise ValueError("timeouts and intervals must be > 0")
 
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
+
+
+@dataclass(frozen=True)
+class HandoffConfig:
+    """PD mode (prefill and decode ranks): how the KV moves between them."""
+
+    transfer: TransferKind = opt("auto", "KV transfer backend: nixl (UCX), shm (same host), auto (nixl if it "
+                                         "starts, else shm); every PD rank must use the same")
+    handoff_lease_s: float = opt(10.0, "prefill: a handed-off request's pinned KV is released after this long "
+                                       "without Pulled/PullFailed (and the request fails); decode: no read starts "
+                                       "later than this minus a margin after the handoff arrived")
+    handoff_pool_gb: float = opt(0.25, "prefill: GiB of shared memory for KV waiting to be pulled (pages and "
+                                       "SWA states of requests in prefill or handed off); a full pool holds "
+                                       "new prompts back")
+
+    def __post_init__(self) -> None:
+        if self.transfer not in ("auto", "nixl", "shm"):
+            raise ValueError(f"transfer must be auto, nixl or shm, got {self.transfer!r}")
+        if self.handoff_lease_s <= 0 or self.handoff_pool_gb <= 0:
+            raise ValueError("handoff_lease_s and handoff_pool_gb must be > 0")
+
+    @property
+    def pull_deadline_s(self) -> float:
+        """Decode side: latest start of a read after the handoff arrived (a margin for the
+        read itself and the network before the prefill rank's lease runs out)."""
+        return self.handoff_lease_s - min(1.0, self.handoff_lease_s / 4)

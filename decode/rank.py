@@ -1,6 +1,6 @@
-"""A rank process: one engine, driven by the router over ZeroMQ.
+"""A rank process: one engine, driven by the router over ZeroMQ; colocated or decode-only.
 
-    python -m decode.rank --role colocated --index 0 --router-addr tcp://127.0.0.1:5555 [engine flags]
+    python -m decode.rank --role colocated|decode --index 0 --router-addr tcp://127.0.0.1:5555 [flags]
 
 Request life cycle on a colocated rank:
   1. The IO thread (rank_link.py) receives Generate and puts it in the inbox.
@@ -13,10 +13,12 @@ Request life cycle on a colocated rank:
   5. Abort (client gone) calls engine.abort(): idempotent, frees pages at once, sends nothing.
   6. An engine exception fails every request on the rank with RequestError(500), aborts
      them (pages freed) and the rank keeps serving.
+On a decode rank (PD mode) requests arrive as Handoffs from prefill ranks instead of Generate:
+handoff_receiver.py queues them, pulls their KV when the engine has room and commits them
+(its docstring has the steps); from then on steps 3-6 apply, with the prefill rank's phase
+times and the pull's carried into the last event. The prefill role is prefill/rank.py.
 The process exits when the router rejects it, asks it to, or goes silent (rank_link.py),
 and on SIGTERM/SIGINT: nothing is left behind by a dead router.
-Prefill-only and decode-only roles (KV handoff) arrive with the prefill/decode issue; the
-role is carried in Hello already.
 """
 from __future__ import annotations
 
@@ -30,21 +32,27 @@ import time
 
 import msgspec
 
-from decode.config import RankConfig
+from decode.config import HandoffConfig, RankConfig
+from decode.peer_link import PeerMessage, PeerSockets
 from decode.rank_link import RankLink
 from pd_server.cli_args import add_dataclass_args, from_args
 from pd_server.protocol import PROTOCOL_VERSION
+from pd_server.protocol.prefill_decode import PAGES_REGION, STATES_REGION, Handoff, PeerHello
 from pd_server.protocol.rank_router import (Hello, PhaseTimes, RankStats, RequestError, TokenBatch,
                                             TokenEvent, TokenLogprob)
-from pd_server.protocol.router_rank import Abort, Generate
+from pd_server.protocol.router_rank import Abort, Generate, Peers
 
 log = logging.getLogger("decode.rank")
 
 IDLE_WAIT_S = 0.05  # inbox wait when the engine has nothing to run
+PULL_POLL_S = 0.001  # inbox wait while only transfers are in flight
 
 
 class RankLoop:
-    """The engine thread: admits, steps, reports. Owns the engine; never shares it."""
+    """The engine thread: admits, steps, reports. Owns the engine; never shares it.
+
+    Roles extend it through `_on_message`, `_progress`, `_wait_s`, `_times` and `_extra_stats`.
+    """
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -64,43 +72,67 @@ class RankLoop:
         return RankStats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
                          pages_total=s["pages_total"], swa_slots_free=s["swa_slots_free"], steps=self.steps,
                          host_cache_lookup_tokens=hc.get("lookup_tokens", 0),
-                         host_cache_hit_tokens=hc.get("hit_tokens", 0))
+                         host_cache_hit_tokens=hc.get("hit_tokens", 0), **self._extra_stats())
+
+    def _extra_stats(self) -> dict:
+        return {}
 
     def run(self, link: RankLink) -> None:
         """Serve until link.stopped is set."""
         self.link = link
-        eng = self.engine
         while not link.stopped.is_set():
-            self._admit(block=not eng.has_unfinished())
-            if not eng.has_unfinished():
-                self._stats = self._snapshot()
-                continue
-            try:
-                outs = eng.step()
-            except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank
-                log.exception("engine step failed")
-                self._fail_all(f"engine failure on this rank: {type(e).__name__}: {e}")
-                continue
-            self.steps += 1
-            if outs:
-                link.send(TokenBatch([self._event(o) for o in outs], time.time()))
-            self._stats = self._snapshot()
+            self.run_once()
 
-    def _admit(self, block: bool) -> None:
+    def run_once(self) -> None:
+        """One turn: take messages (waiting only when idle), role work, one engine step."""
+        eng = self.engine
+        self._admit(self._wait_s())
+        self._progress()
+        if not eng.has_unfinished():
+            self._stats = self._snapshot()
+            return
         try:
-            msg = self.link.inbox.get(timeout=IDLE_WAIT_S) if block else self.link.inbox.get_nowait()
+            outs = eng.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank
+            log.exception("engine step failed")
+            self._fail_all(f"engine failure on this rank: {type(e).__name__}: {e}")
+            return
+        self.steps += 1
+        self._on_outputs(outs)
+        self._stats = self._snapshot()
+
+    def _wait_s(self) -> float:
+        """How long the loop may wait for a message (0: there is work)."""
+        return 0.0 if self.engine.has_unfinished() else IDLE_WAIT_S
+
+    def _progress(self) -> None:
+        """Role work between steps (transfers, leases, held-back admissions)."""
+
+    def _on_outputs(self, outs) -> None:
+        if outs:
+            self.link.send(TokenBatch([self._event(o) for o in outs], time.time()))
+
+    def _admit(self, wait_s: float) -> None:
+        try:
+            msg = self.link.inbox.get(timeout=wait_s) if wait_s > 0 else self.link.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            if isinstance(msg, Generate):
-                self._generate(msg)
-            elif isinstance(msg, Abort):
-                if self.engine.abort(msg.request_id) is not None:
-                    self._forget(msg.request_id)
+            self._on_message(msg)
             try:
                 msg = self.link.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, Generate):
+            self._generate(msg)
+        elif isinstance(msg, Abort):
+            self._abort(msg.request_id)
+
+    def _abort(self, rid: str) -> None:
+        if self.engine.abort(rid) is not None:
+            self._forget(rid)
 
     def _generate(self, msg: Generate) -> None:
         from engine.sampling_params import SamplingParams
@@ -116,17 +148,22 @@ class RankLoop:
     def _event(self, o) -> TokenEvent:
         rid = o.request_id
         now = time.time()
-        first = self._first.setdefault(rid, now)
         times = None
         if o.finished:
-            times = PhaseTimes(self._arrived.get(rid, now), first, now)
+            times = self._times(rid, now)
             self._forget(rid)
+        else:
+            self._first.setdefault(rid, now)
         lps = None
         if o.logprobs is not None:
             lps = [TokenLogprob(lp.token_id, lp.logprob, [(int(i), float(v)) for i, v in lp.top])
                    for lp in o.logprobs]
         return TokenEvent(rid, o.new_token_ids, o.text, o.finish_reason, o.stop_str, o.prompt_tokens,
                           o.completion_tokens, o.cached_tokens, lps, times)
+
+    def _times(self, rid: str, now: float) -> PhaseTimes:
+        arrived = self._arrived.get(rid, now)
+        return PhaseTimes(arrived, self._first.get(rid, now), now, prefill_start=arrived)
 
     def _forget(self, rid: str) -> None:
         self._arrived.pop(rid, None)
@@ -142,6 +179,60 @@ class RankLoop:
             self.link.send(RequestError(rid, 500, message))
 
 
+class DecodeLoop(RankLoop):
+    """Decode-only: requests arrive as Handoffs, their KV pulled by a HandoffReceiver."""
+
+    def __init__(self, engine, backend, name: str, deadline_s: float) -> None:
+        from decode.handoff_receiver import HandoffReceiver
+
+        self.receiver = HandoffReceiver(engine, backend, name, deadline_s,
+                                        send_peer=lambda dest, msg: self.link.send_peer(dest, msg),
+                                        send_router=lambda msg: self.link.send(msg))
+        self._pd: dict = {}  # request id -> handoff_receiver.Committed
+        super().__init__(engine)
+
+    def _extra_stats(self) -> dict:
+        r = self.receiver
+        return {"handoffs": r.num_handoffs, "transfer_bytes": r.transfer_bytes,
+                "transfer_seconds": r.transfer_seconds}
+
+    def _wait_s(self) -> float:
+        if self.engine.has_unfinished():
+            return 0.0
+        return PULL_POLL_S if self.receiver.num_handoffs else IDLE_WAIT_S
+
+    def _on_message(self, msg) -> None:
+        r = self.receiver
+        if isinstance(msg, PeerMessage):
+            if isinstance(msg.msg, Handoff):
+                r.on_handoff(msg.sender, msg.msg)
+            elif isinstance(msg.msg, PeerHello):
+                r.on_peer_hello(msg.sender, msg.msg)
+        elif isinstance(msg, Abort):
+            if not r.on_abort(msg.request_id):
+                self._abort(msg.request_id)
+        elif isinstance(msg, Peers):
+            r.on_live_prefill({p.name for p in msg.peers if p.role == "prefill"})
+        elif isinstance(msg, Generate):
+            self.link.send(RequestError(msg.request_id, 500, "this is a decode-only rank: it takes handoffs"))
+
+    def _progress(self) -> None:
+        for c in self.receiver.progress():
+            self._pd[c.request_id] = c
+
+    def _times(self, rid: str, now: float) -> PhaseTimes:
+        c = self._pd.get(rid)
+        if c is None:
+            return super()._times(rid, now)
+        p = c.prefill
+        return PhaseTimes(p.arrived, p.first_token, now, p.prefill_start, p.handoff_sent, c.pull_start,
+                          c.pull_end, self._first.get(rid, now))
+
+    def _forget(self, rid: str) -> None:
+        super()._forget(rid)
+        self._pd.pop(rid, None)
+
+
 def load_engine(engine_cfg, warmup: bool):
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
@@ -153,26 +244,39 @@ def load_engine(engine_cfg, warmup: bool):
     return engine
 
 
-def main(argv: list[str] | None = None) -> int:
-    from engine.config import EngineConfig, add_cli_args, from_cli_args
+def make_transfer(handoff: HandoffConfig, cfg: RankConfig):
+    """The rank's transfer backend (the choice is logged by make_backend)."""
+    from hicache.transfer import make_backend
+
+    return make_backend(handoff.transfer, f"{cfg.name}-{os.getpid()}")
+
+
+def hello_for(cfg: RankConfig, engine_cfg, engine, peer_addr: str = "") -> Hello:
     from engine.model_cache import served_name
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return Hello(PROTOCOL_VERSION, cfg.role, cfg.index, os.getpid(), served_name(engine_cfg.model),
+                 engine.max_model_len, engine.model_cfg.vocab_size, engine_cfg.page_size, engine.pool.num_pages,
+                 peer_addr)
+
+
+def parse_rank_args(argv, description: str, default_role: str):
+    """(RankConfig, HandoffConfig, EngineConfig) from the command line; sets up logging."""
+    from engine.config import EngineConfig, add_cli_args, from_cli_args
+
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataclass_args(ap, RankConfig)
+    add_dataclass_args(ap, HandoffConfig)
     add_cli_args(ap, EngineConfig)
+    ap.set_defaults(role=default_role)
     args = ap.parse_args(argv)
     cfg = from_args(args, RankConfig)
-    engine_cfg = from_cli_args(args, EngineConfig)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {cfg.name} %(levelname)s %(name)s: %(message)s")
-    t0 = time.monotonic()
-    engine = load_engine(engine_cfg, cfg.warmup)
-    log.info("engine ready in %.1fs (model %s, max_model_len %d, %d KV pages)", time.monotonic() - t0,
-             engine_cfg.model, engine.max_model_len, engine.pool.num_pages)
-    hello = Hello(PROTOCOL_VERSION, cfg.role, cfg.index, os.getpid(), served_name(engine_cfg.model),
-                  engine.max_model_len, engine.model_cfg.vocab_size, engine_cfg.page_size, engine.pool.num_pages)
-    loop = RankLoop(engine)
-    link = RankLink(cfg, hello, loop.stats)
+    return cfg, from_args(args, HandoffConfig), from_cli_args(args, EngineConfig)
+
+
+def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -> int:
+    """Run `loop` on this thread with `link` on its IO thread until the rank must exit."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: link.stop(f"signal {signal.Signals(signum).name}"))
     link.start()
@@ -180,11 +284,36 @@ def main(argv: list[str] | None = None) -> int:
         loop.run(link)
     finally:
         link.close()
-        close = getattr(engine, "close", None)  # releases the host cache's shared memory
-        if close is not None:
-            close()
+        for close in (*closers, getattr(engine, "close", None)):  # engine: the host cache's shm
+            if close is not None:
+                close()
         log.info("exiting: %s", link.stop_reason)
     return link.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, handoff, engine_cfg = parse_rank_args(argv, __doc__, "colocated")
+    if cfg.role == "prefill":
+        from prefill.rank import main as prefill_main
+
+        return prefill_main(argv)
+    t0 = time.monotonic()
+    engine = load_engine(engine_cfg, cfg.warmup)
+    log.info("engine ready in %.1fs (model %s, max_model_len %d, %d KV pages)", time.monotonic() - t0,
+             engine_cfg.model, engine.max_model_len, engine.pool.num_pages)
+    if cfg.role == "colocated":
+        loop = RankLoop(engine)
+        return serve(cfg, engine, loop, RankLink(cfg, hello_for(cfg, engine_cfg, engine), loop.stats))
+    backend = make_transfer(handoff, cfg)
+    pool = engine.pool
+    backend.register(PAGES_REGION, pool.full, pool.full[0].numel() * pool.full.element_size())
+    if pool.num_slots:
+        backend.register(STATES_REGION, pool.swa, pool.swa[0].numel() * pool.swa.element_size())
+    peers = PeerSockets("decode", cfg.name, cfg.host)
+    loop = DecodeLoop(engine, backend, cfg.name, handoff.pull_deadline_s)
+    link = RankLink(cfg, hello_for(cfg, engine_cfg, engine, peers.addr), loop.stats, peers)
+    log.info("decode rank: peer socket %s, transfer %s", peers.addr, backend.kind)
+    return serve(cfg, engine, loop, link, closers=(backend.close,))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,11 @@ Threads:
     puts Generate/Abort into `inbox`, sends RankStats every heartbeat, and decides when the
     rank must exit (Reject, Shutdown, router silent, no Welcome in time);
   * the engine thread (the caller) owns the engine and the PUSH end of the pipe: it calls
-    `send()` and reads `inbox`, and stops when `stopped` is set.
+    `send()` / `send_peer()` and reads `inbox`, and stops when `stopped` is set.
+PD ranks also hand the IO thread their rank-to-rank sockets (peer_link.py): it keeps the
+prefill side's connections in step with the router's `Peers`, forwards peer messages to
+`inbox` as `PeerMessage`s, and sends the engine thread's peer messages (pipe frames are
+[destination, payload]; an empty destination is the router).
 Heartbeats come from the IO thread, so a long engine step (a big prefill on a busy CPU)
 does not make the router think the rank died. torch releases the GIL in its kernels.
 """
@@ -22,9 +26,10 @@ import msgspec
 import zmq
 
 from decode.config import RankConfig
+from decode.peer_link import PeerMessage, PeerSockets
 from pd_server.protocol.codec import Codec
 from pd_server.protocol.rank_router import Goodbye, Hello, RankStats
-from pd_server.protocol.router_rank import Abort, Generate, Ping, Reject, Shutdown, Welcome
+from pd_server.protocol.router_rank import Abort, Generate, Peers, Ping, Reject, Shutdown, Welcome
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +37,17 @@ EXIT_REJECTED = 3  # the router refused this rank (version or model mismatch)
 EXIT_NO_ROUTER = 4  # no Welcome in time, or the router went silent
 
 
+Inbound = Generate | Abort | Peers | PeerMessage
+
+
 class RankLink:
-    def __init__(self, cfg: RankConfig, hello: Hello, stats: Callable[[], RankStats]) -> None:
-        """`stats` is called from the IO thread: it must only read a snapshot (no engine calls)."""
+    def __init__(self, cfg: RankConfig, hello: Hello, stats: Callable[[], RankStats],
+                 peers: PeerSockets | None = None) -> None:
+        """`stats` is called from the IO thread: it must only read a snapshot (no engine calls).
+        `peers` (PD ranks) is owned by the IO thread from `start()` on and closed with the link."""
         self.cfg = cfg
-        self.inbox: queue.Queue[Generate | Abort] = queue.Queue()
+        self.peers = peers
+        self.inbox: queue.Queue[Inbound] = queue.Queue()
         self.stopped = threading.Event()
         self.exit_code = 0
         self.stop_reason = ""
@@ -63,7 +74,12 @@ class RankLink:
 
     def send(self, msg: msgspec.Struct) -> None:
         """Engine thread only: queue one message for the router."""
-        self._push.send(self._enc.encode(msg), copy=False)
+        self._push.send_multipart([b"", self._enc.encode(msg)], copy=False)
+
+    def send_peer(self, dest: bytes, msg: msgspec.Struct) -> None:
+        """Engine thread only: queue one message for a peer rank (PeerMessage.sender names it).
+        Fire and forget: a peer that is gone loses it (leases and Peers updates cover that)."""
+        self._push.send_multipart([dest, self._enc.encode(msg)], copy=False)
 
     def stop(self, reason: str, code: int = 0) -> None:
         if not self.stopped.is_set():
@@ -90,12 +106,17 @@ class RankLink:
             pass
         self._dealer.close()
         self._pull.close(linger=0)
+        if self.peers is not None:
+            self.peers.close()
 
     def _loop(self) -> None:
         cfg, codec = self.cfg, Codec()
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
+        peer_socks = set(self.peers.sockets) if self.peers is not None else set()
+        for sock in peer_socks:
+            poller.register(sock, zmq.POLLIN)
         started = time.monotonic()
         welcomed, heartbeat = False, 0.5
         next_hello = next_stats = last_router = started
@@ -106,10 +127,16 @@ class RankLink:
             if self._pull in events:
                 while True:
                     try:
-                        frame = self._pull.recv(zmq.DONTWAIT, copy=False)
+                        dest, frame = self._pull.recv_multipart(zmq.DONTWAIT, copy=False)
                     except zmq.Again:
                         break
-                    self._dealer.send(frame, copy=False)
+                    if not dest.bytes:
+                        self._dealer.send(frame, copy=False)
+                    elif self.peers is not None:
+                        self.peers.send(dest.bytes, frame.bytes)
+            for sock in peer_socks & events.keys():
+                for pm in self.peers.recv(sock):
+                    self.inbox.put(pm)
             if self._dealer in events:
                 while True:
                     try:
@@ -123,6 +150,16 @@ class RankLink:
                         log.error("dropping undecodable frame from the router: %s", e)
                         continue
                     if isinstance(msg, (Generate, Abort)):
+                        self.inbox.put(msg)
+                    elif isinstance(msg, Peers):
+                        if self.peers is not None:
+                            added, removed = self.peers.on_peers(msg)
+                            for sock in removed:
+                                poller.unregister(sock)
+                                peer_socks.discard(sock)
+                            for sock in added:
+                                poller.register(sock, zmq.POLLIN)
+                                peer_socks.add(sock)
                         self.inbox.put(msg)
                     elif isinstance(msg, Ping):
                         pass

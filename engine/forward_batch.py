@@ -6,10 +6,14 @@ sequence with more new tokens (a prefill chunk) is attended on its own.
 
 Full-attention layers: new K/V are written into the sequence's pages first, then
 each query reads keys [0, its position] through the page table.
-Sliding-window layers: each query reads the sequence's ring as it was before the
-step (positions num_computed-window .. num_computed-1) plus the step's new keys,
-masked to the window (key visible iff q - window < k <= q); afterwards the last
-`window` new tokens are written into the ring.
+Sliding-window layers, prefill chunks: each query reads the sequence's ring as it
+was before the step (positions num_computed-window .. num_computed-1) plus the
+step's new keys, masked to the window (key visible iff q - window < k <= q);
+afterwards the last `window` new tokens are written into the ring.
+Sliding-window layers, one-token entries: the new token is written into the ring
+first (it replaces position p - window, which query p no longer sees), then the
+ring is read like a single page of min(p + 1, window) valid entries. A sequence
+appears once per step, so this never disturbs a prefill chunk's reads.
 """
 from __future__ import annotations
 
@@ -25,9 +29,9 @@ class PrefillMeta:
     start: int  # first token index in the step's flat batch
     length: int  # new tokens
     pages: torch.Tensor  # [num_pages] covering positions [0, num_computed + length)
-    mask: torch.Tensor | None  # [length, ctx] bool, full layers (None: plain causal from 0)
+    mask: torch.Tensor | None  # [1, 1, length, ctx] additive float, full layers (None: causal from 0)
     swa_slot: int
-    swa_mask: torch.Tensor | None  # [length, window + length] bool
+    swa_mask: torch.Tensor | None  # [1, 1, length, window + length] additive float
 
 
 @dataclass
@@ -38,11 +42,11 @@ class ForwardBatch:
     write_off: torch.Tensor  # [T] offset within the page
     num_decode: int  # B: the first B tokens are one-token sequences
     dec_pages: torch.Tensor | None  # [B, Pmax] page table (padded with page 0)
-    dec_mask: torch.Tensor | None  # [B, 1, 1, Pmax * page_size] bool
-    dec_slots: torch.Tensor | None  # [B] SWA slots
-    dec_swa_mask: torch.Tensor | None  # [B, 1, 1, window + 1] bool
+    dec_ctx: torch.Tensor | None  # [B] keys per sequence incl. the new token (full layers)
+    dec_slots: torch.Tensor | None  # [B, 1] SWA slot per sequence, a one-page table into the rings
+    dec_swa_ctx: torch.Tensor | None  # [B] valid ring entries once the new token is written
     prefills: list[PrefillMeta]
-    swa_write_slot: torch.Tensor | None  # [Nw] ring writes after attention
+    swa_write_slot: torch.Tensor | None  # [Nw] ring writes; the first num_decode are the one-token entries
     swa_write_idx: torch.Tensor | None  # [Nw] ring index (position % window)
     swa_write_tok: torch.Tensor | None  # [Nw] token index in the flat batch
     logits_indices: torch.Tensor  # [S] token index whose logits are sampled
@@ -68,16 +72,20 @@ def _ring_mask(num_computed: int, q_pos: torch.Tensor, window: int) -> torch.Ten
     return valid & (key_pos <= q) & (key_pos > q - window)
 
 
-def _decode_ring_mask(nc: torch.Tensor, window: int) -> torch.Tensor:
-    """[B, window + 1]: _ring_mask for one query at position nc[b], vectorised over b."""
-    base = (nc - 1).unsqueeze(1)
-    ring_pos = base - torch.remainder(base - torch.arange(window), window)
-    ring_ok = (ring_pos >= 0) & (ring_pos > nc.unsqueeze(1) - window)
-    return torch.cat([ring_ok, torch.ones(nc.shape[0], 1, dtype=torch.bool)], dim=1)
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [Lq, Lk] -> additive [1, 1, Lq, Lk] in the model dtype.
+
+    NOTE: torch's fused CPU attention takes only 4-D masks; a 3-D or [Lq, Lk] mask
+    drops to the math path (about 8x slower for a 1k x 3k chunk), and additive
+    float masks run faster than boolean ones.
+    """
+    out = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    return out[None, None]
 
 
 def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, window: int,
-                        needs_logits: list[bool], device: torch.device) -> ForwardBatch:
+                        needs_logits: list[bool], device: torch.device,
+                        dtype: torch.dtype = torch.float32) -> ForwardBatch:
     """Flatten `scheduled` (one-token entries first) into tensors for one model step.
 
     Precondition: every sequence has pages for num_computed + n tokens and, for
@@ -126,27 +134,26 @@ def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, w
             q_pos = torch.arange(nc, ctx)
             full_mask = None
             if nc > 0:
-                full_mask = torch.arange(ctx).unsqueeze(0) <= q_pos.unsqueeze(1)
+                full_mask = _additive(torch.arange(ctx).unsqueeze(0) <= q_pos.unsqueeze(1), dtype)
             prefills.append(PrefillMeta(
                 start=start, length=n, pages=torch.tensor(pages[:num_ctx_pages], dtype=torch.long),
                 mask=full_mask, swa_slot=seq.swa_slot if window else -1,
-                swa_mask=_ring_mask(nc, q_pos, window) if window else None))
-    dec_pages = dec_mask = dec_slot_t = dec_swa_mask = None
+                swa_mask=_additive(_ring_mask(nc, q_pos, window), dtype) if window else None))
+    dec_pages = dec_ctx_t = dec_slot_t = dec_swa_ctx = None
     if num_decode:
         pmax = max(len(t) for t in dec_tables)
         dec_pages = torch.tensor([t + [0] * (pmax - len(t)) for t in dec_tables], dtype=torch.long)
-        dec_mask = (torch.arange(pmax * page_size).unsqueeze(0)
-                    < torch.tensor(dec_ctx).unsqueeze(1))[:, None, None, :]
+        dec_ctx_t = torch.tensor(dec_ctx, dtype=torch.long)
         if window:
-            dec_slot_t = torch.tensor(dec_slots, dtype=torch.long)
-            dec_swa_mask = _decode_ring_mask(torch.tensor(dec_ctx) - 1, window)[:, None, None, :]
+            dec_slot_t = torch.tensor(dec_slots, dtype=torch.long).unsqueeze(1)
+            dec_swa_ctx = dec_ctx_t.clamp(max=window)
     to = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
     for p in prefills:
         p.pages, p.mask, p.swa_mask = to(p.pages), to(p.mask), to(p.swa_mask)
     lt = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ForwardBatch(
         input_ids=lt(ids), positions=lt(pos), write_page=lt(wpage), write_off=lt(woff),
-        num_decode=num_decode, dec_pages=to(dec_pages), dec_mask=to(dec_mask), dec_slots=to(dec_slot_t),
-        dec_swa_mask=to(dec_swa_mask), prefills=prefills,
+        num_decode=num_decode, dec_pages=to(dec_pages), dec_ctx=to(dec_ctx_t), dec_slots=to(dec_slot_t),
+        dec_swa_ctx=to(dec_swa_ctx), prefills=prefills,
         swa_write_slot=lt(sw_slot) if window else None, swa_write_idx=lt(sw_idx) if window else None,
         swa_write_tok=lt(sw_tok) if window else None, logits_indices=lt(logits_idx), window=window)

@@ -14,18 +14,20 @@ Request life cycle:
 With a host cache (hicache_size_gb > 0), admission loads the prompt's longest
 stored prefix and prefill writes the prompt through to it (hicache/cache.py).
 Roles: colocated = both; prefill-only = add_request(prefill_only=True);
-decode-only = add_imported() with the prefill side's KVExport.
+decode-only = add_imported() with the prefill side's KVExport, or (PD decode rank, KV
+read straight into device pages) reserve_kv() -> transfer into its pages -> add_prefilled().
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import SwaState
+from engine.kv_cache import KVPool, SwaState
 from engine.model_cache import cached_model_dir
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -46,6 +48,19 @@ class KVExport:
     num_tokens: int
     pages: torch.Tensor
     swa: SwaState | None
+
+
+@dataclass
+class KVReservation:
+    """Device pages and an SWA slot taken for a prompt whose KV arrives by transfer.
+
+    pages cover positions [0, num_tokens) once filled; swa_slot is None for models without
+    sliding layers. Hand it to add_prefilled() (which takes ownership) or release_kv().
+    """
+
+    num_tokens: int
+    pages: list[int]
+    swa_slot: int | None
 
 
 @dataclass
@@ -88,6 +103,11 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._imports: dict[str, KVExport] = {}
         self.eos_ids = frozenset(self.model_cfg.eos_token_ids)
+        self._reserved = 0  # outstanding KVReservations (they count against max_num_seqs)
+        # PD prefill rank: called on a prefill-only sequence that got its first token and goes
+        # on elsewhere, before its pages are freed; copies its KV out (pages + SWA slot) and
+        # returns what becomes RequestOutput.kv_export. None: a KVExport of cloned tensors.
+        self.export_kv: Callable[[Sequence, KVPool], object] | None = None
         self.hicache: HostCache | None = None
         if cfg.hicache_size_gb > 0:
             self.hicache = HostCache.for_engine(cfg, self.model_cfg, self.max_model_len)
@@ -127,12 +147,59 @@ class LLMEngine:
         for t in output_ids:
             det.append(t)
 
-    def _track(self, seq: Sequence) -> None:
+    def reserve_kv(self, num_tokens: int) -> KVReservation | None:
+        """Take pages for `num_tokens` and an SWA slot for a prompt whose KV a transfer will fill.
+
+        None (taking nothing) when pages, a slot or a sequence place (max_num_seqs, counting
+        running, waiting and reserved) are short: the caller retries after a step.
+        """
+        pool, sched = self.pool, self.scheduler
+        n = pool.pages_for(num_tokens)
+        if (sched.num_unfinished + self._reserved >= self.cfg.max_num_seqs or n > pool.free_pages
+                or (pool.swa_layers and pool.free_slots == 0)):
+            return None
+        self._reserved += 1
+        return KVReservation(num_tokens, pool.allocate(n), pool.allocate_slot())
+
+    def release_kv(self, res: KVReservation) -> None:
+        """Give back a reservation that will not be committed (failed or aborted transfer)."""
+        self._reserved -= 1
+        self.pool.free(res.pages)
+        self.pool.free_slot(res.swa_slot)
+
+    def add_prefilled(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
+                      params: SamplingParams, res: KVReservation, cached_tokens: int = 0) -> None:
+        """Start decoding a request whose prompt KV is in `res` (filled by a transfer).
+
+        Takes ownership of `res`: the sequence runs from the next step, decoding from
+        output_ids. `cached_tokens` is reported as usage. Raises ValueError (and releases
+        `res`) on invalid input.
+        """
+        prompt_ids = list(prompt_ids)
+        try:
+            self._validate(request_id, prompt_ids)
+            if res.num_tokens != len(prompt_ids) or not output_ids:
+                raise ValueError("reservation does not cover the prompt, or no first token")
+        except ValueError:
+            self.release_kv(res)
+            raise
+        self._reserved -= 1
+        seq = Sequence(request_id, prompt_ids, params, output_ids=list(output_ids), pages=res.pages,
+                       swa_slot=res.swa_slot, num_computed=res.num_tokens, num_cached_prompt=cached_tokens)
+        self._track(seq, running=True)
+        det = self._detok[request_id]
+        for t in output_ids:
+            det.append(t)
+
+    def _track(self, seq: Sequence, running: bool = False) -> None:
         p = seq.params
         self._detok[seq.request_id] = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_ids, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
         self.seqs[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if running:
+            self.scheduler.add_running(seq)
+        else:
+            self.scheduler.add(seq)
 
     def _on_admit(self, seq: Sequence) -> bool:
         kv = self._imports.get(seq.request_id)
@@ -199,7 +266,9 @@ class LLMEngine:
             return self._output(seq, [tok], text, lp, finished=False)
         seq.finish_reason = reason
         export = None
-        if seq.prefill_only:
+        if seq.prefill_only and reason is None and self.export_kv is not None:
+            export = self.export_kv(seq, self.pool)
+        elif seq.prefill_only:
             n = len(seq.prompt_ids)
             pages = seq.pages[:self.pool.pages_for(n)]
             swa = self.pool.export_swa(seq.swa_slot, n) if seq.swa_slot is not None else None
@@ -210,7 +279,10 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self._imports.pop(seq.request_id, None)
         det = self._detok.pop(seq.request_id)
-        if seq.stop_str is None:
+        # A prefill-only sequence that goes on elsewhere keeps held-back text for the decode
+        # side (whose detokenizer replays the first token), so no flush.
+        handed_off = seq.prefill_only and seq.finish_reason is None
+        if seq.stop_str is None and not handed_off:
             text += det.flush()
             # A stop string can complete only at flush (a held-back partial character).
             if det.matched_stop is not None and seq.finish_reason is not FinishReason.ABORT:

@@ -46,6 +46,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Run a sequence whose KV is already in its pages (and SWA slot) from the next step
+        (a PD decode rank's pulled handoff). The caller checked max_num_seqs."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)

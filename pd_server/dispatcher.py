@@ -2,14 +2,23 @@
 
 Life of a request here:
   1. submit() picks a rank (routing.pick_rank), records one Pending per sub-request (n
-     choices x prompts, all on that rank) and sends one Generate each.
+     choices x prompts, all on that rank) and sends one Generate each. In PD mode (prefill
+     ranks exist) it picks a prefill rank by the policy and a decode rank by load
+     (routing.pick_decode_rank); the Generate to the prefill rank names the decode rank.
   2. The receive loop decodes each TokenBatch and puts (choice index, TokenEvent) on the
      request's asyncio queue; the last event of a sub-request (finish_reason set) retires it.
-  3. A RequestError, or the death of the rank, puts a Failure on the queue instead. A
-     sub-request that has produced no token yet when its rank dies is re-sent once to
-     another live rank (nothing was streamed, so nothing is lost).
+     PD: the first token comes from the prefill rank, the rest from the decode rank, over two
+     paths: events are put in order by their token offset (a decode event that overtakes the
+     first token waits for it). Once the first token is in, the prefill rank is done with the
+     request as far as the router is concerned; the decode rank holds it until the end.
+  3. A RequestError, or the death of a rank holding it, puts a Failure on the queue instead
+     (and Abort goes to the other rank holding it). A colocated sub-request that has produced
+     no token yet when its rank dies is re-sent once to another live rank (nothing was
+     streamed, so nothing is lost); PD sub-requests fail fast instead (a Handoff may be out).
   4. Handle.close() (the handler's finally: done, failed or client gone) sends Abort for
-     whatever has not finished, so the rank frees its pages at once.
+     whatever has not finished, to every rank holding it, so they free their pages at once.
+PD ranks learn each other from `Peers` (every live prefill and decode rank with its peer
+address), sent after each one's Welcome and to all of them whenever one joins or dies.
 Everything runs on the event loop thread; the socket is a zmq.asyncio ROUTER whose sends
 never block (no high-water mark; ROUTER_MANDATORY turns a vanished peer into an error).
 """
@@ -29,9 +38,9 @@ from pd_server.errors import APIError
 from pd_server.metrics import RouterMetrics
 from pd_server.protocol.codec import Codec
 from pd_server.protocol.rank_router import Goodbye, Hello, RankStats, RequestError, TokenBatch, TokenEvent
-from pd_server.protocol.router_rank import Abort, Generate, Ping, Reject, Sampling, Shutdown
-from pd_server.ranks import DEAD, Rank, RankRegistry, version_mismatch
-from pd_server.routing import RouteRequest, RoutingPolicy, pick_rank
+from pd_server.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown
+from pd_server.ranks import DEAD, PD_ROLES, Rank, RankRegistry, version_mismatch
+from pd_server.routing import RouteRequest, RoutingPolicy, pick_decode_rank, pick_rank
 
 log = logging.getLogger("pd_server.dispatcher")
 
@@ -47,10 +56,16 @@ class _Pending:
     msg: Generate
     queue: asyncio.Queue
     index: int  # choice index in the HTTP response
-    rank: Rank
+    rank: Rank  # the colocated or prefill rank
     arrival: float  # perf_counter at HTTP arrival
+    decode: Rank | None = None  # PD mode: the decode rank
     last: float = 0.0  # perf_counter of the last token event; 0 before the first
     retried: bool = False
+    received: int = 0  # output tokens delivered so far
+    early: dict[int, TokenEvent] = field(default_factory=dict)  # PD: events ahead of the first token, by offset
+
+    def ranks(self) -> list[Rank]:
+        return [self.rank] if self.decode is None else [self.rank, self.decode]
 
 
 @dataclass
@@ -59,7 +74,8 @@ class Handle:
 
     dispatcher: "Dispatcher"
     sub_ids: list[str]
-    rank: Rank
+    rank: Rank  # the colocated or prefill rank
+    decode: Rank | None = None  # PD mode
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _open: int = 0
 
@@ -124,31 +140,48 @@ class Dispatcher:
         self._ctx.term()
 
     # ---- requests ------------------------------------------------------------------------
+    @property
+    def pd_mode(self) -> bool:
+        """Prefill ranks serve prompts (and decode ranks the rest) once any prefill rank is known."""
+        return any(r.role == "prefill" for r in self.registry.ranks.values())
+
     def submit(self, request_id: str, work: list[tuple[list[int], Sampling]], route: RouteRequest,
-               arrival: float, role: str = "colocated") -> Handle:
-        """Send every (prompt ids, sampling) as one sub-request to one rank. Raises APIError
-        503 (no live rank) or 429 (all full); sends nothing then."""
-        rank = pick_rank(self.registry, self.policy, route, role, self.cfg.max_inflight_per_rank)
-        handle = Handle(self, [f"{request_id}-{i}" for i in range(len(work))], rank)
+               arrival: float) -> Handle:
+        """Send every (prompt ids, sampling) as one sub-request to one rank (PD: one prefill
+        and one decode rank). Raises APIError 503 (no live rank) or 429 (all full); sends
+        nothing then."""
+        cap = self.cfg.max_inflight_per_rank
+        if self.pd_mode:
+            decode = pick_decode_rank(self.registry, route, cap)
+            rank = pick_rank(self.registry, self.policy, route, "prefill", cap)
+        else:
+            decode, rank = None, pick_rank(self.registry, self.policy, route, "colocated", cap)
+        handle = Handle(self, [f"{request_id}-{i}" for i in range(len(work))], rank, decode)
         now = time.time()
         for i, (sid, (prompt, sampling)) in enumerate(zip(handle.sub_ids, work)):
-            msg = Generate(sid, prompt, sampling, now)
-            self.pending[sid] = _Pending(msg, handle.queue, i, rank, arrival)
-            rank.inflight.add(sid)
+            msg = Generate(sid, prompt, sampling, now, decode.index if decode else -1)
+            p = self.pending[sid] = _Pending(msg, handle.queue, i, rank, arrival, decode)
+            for r in p.ranks():
+                r.inflight.add(sid)
             self._send(rank, msg)
         rank.routed += 1
+        if decode is not None:
+            decode.routed += 1
         if self.cfg.log_requests:
-            log.info("%s -> %s (%d sequence(s), %d prompt tokens)", request_id, rank.name, len(work),
-                     len(work[0][0]))
+            log.info("%s -> %s (%d sequence(s), %d prompt tokens)", request_id,
+                     "+".join(r.name for r in (rank, decode) if r), len(work), len(work[0][0]))
         return handle
 
     def abort(self, sub_id: str) -> None:
         p = self.pending.pop(sub_id, None)
-        if p is None:
-            return
-        p.rank.inflight.discard(sub_id)
-        if p.rank.live:
-            self._send(p.rank, Abort(sub_id))
+        if p is not None:
+            self._abort_on_ranks(sub_id, p)
+
+    def _abort_on_ranks(self, sub_id: str, p: _Pending) -> None:
+        for r in p.ranks():
+            r.inflight.discard(sub_id)
+            if r.live:
+                self._send(r, Abort(sub_id))
 
     def _send(self, rank: Rank, msg: msgspec.Struct) -> None:
         if rank.identity is None:
@@ -198,6 +231,8 @@ class Dispatcher:
             elif rank is None:
                 log.info("rank %s ready (pid %d, max_model_len %d)", reply.rank_name, msg.pid, msg.max_model_len)
             self._reply(identity, reply)
+            if not isinstance(reply, Reject) and rank is None and msg.role in PD_ROLES:
+                self._broadcast_peers()
             return
         if rank is None or not rank.live:
             self._reply(identity, Shutdown("unknown or dead rank: its requests were failed"))
@@ -219,22 +254,35 @@ class Dispatcher:
             pass
 
     def _on_tokens(self, events: list[TokenEvent]) -> None:
-        m = self.metrics
         now = time.perf_counter()
         for ev in events:
             p = self.pending.get(ev.request_id)
             if p is None:
                 continue  # aborted; the rank had not heard yet
-            if p.last:
-                m.itl.observe(now - p.last)
-            else:
-                m.ttft.observe(now - p.arrival)
-            p.last = now
-            if ev.finish_reason is not None:
-                del self.pending[ev.request_id]
+            offset = ev.completion_tokens - len(ev.token_ids)
+            if offset > p.received and p.decode is not None:
+                p.early[offset] = ev  # overtook the prefill rank's first token
+                continue
+            self._deliver(p, ev, now)
+            while p.received in p.early and ev.request_id in self.pending:
+                self._deliver(p, p.early.pop(p.received), now)
+
+    def _deliver(self, p: _Pending, ev: TokenEvent, now: float) -> None:
+        m = self.metrics
+        if p.last:
+            m.itl.observe(now - p.last)
+        else:
+            m.ttft.observe(now - p.arrival)
+            if p.decode is not None:  # the prefill rank is done with it (the Handoff is out)
                 p.rank.inflight.discard(ev.request_id)
-                self._on_finished(p, ev, now)
-            p.queue.put_nowait((p.index, ev))
+        p.last = now
+        p.received += len(ev.token_ids)
+        if ev.finish_reason is not None:
+            del self.pending[ev.request_id]
+            for r in p.ranks():
+                r.inflight.discard(ev.request_id)
+            self._on_finished(p, ev, now)
+        p.queue.put_nowait((p.index, ev))
 
     def _on_finished(self, p: _Pending, ev: TokenEvent, now: float) -> None:
         m = self.metrics
@@ -246,10 +294,13 @@ class Dispatcher:
         m.cached_tokens.inc(ev.cached_tokens)
         m.completion_tokens.inc(ev.completion_tokens)
         t = ev.times
-        if t is not None:
-            m.phase.labels("queue").observe(max(0.0, t.arrived - p.msg.sent_at))
-            m.phase.labels("prefill").observe(max(0.0, t.first_token - t.arrived))
-            m.phase.labels("decode").observe(max(0.0, t.finished - t.first_token))
+        if t is None:
+            return
+        phases = phase_durations(p.msg.sent_at, t)
+        for name, seconds in phases.items():
+            m.phase.labels(name).observe(seconds)
+        if self.cfg.log_requests:
+            log.info("%s phases: %s", ev.request_id, " ".join(f"{k}={v * 1000:.1f}ms" for k, v in phases.items()))
 
     def _on_stats(self, rank: Rank, s: RankStats) -> None:
         rank.stats = s
@@ -260,11 +311,17 @@ class Dispatcher:
         m.rank_pages_total.labels(name).set(s.pages_total)
         m.rank_host_lookup.labels(name).set(s.host_cache_lookup_tokens)
         m.rank_host_hits.labels(name).set(s.host_cache_hit_tokens)
+        if rank.role in PD_ROLES:
+            m.rank_handoffs.labels(name).set(s.handoffs)
+            m.rank_handoff_pages.labels(name).set(s.handoff_pages_used)
+            m.rank_transfer_bytes.labels(name).set(s.transfer_bytes)
+            m.rank_transfer_seconds.labels(name).set(s.transfer_seconds)
 
     def _fail(self, sub_id: str, failure: Failure) -> None:
+        """Fail a sub-request; every live rank still holding it gets Abort (idempotent there)."""
         p = self.pending.pop(sub_id, None)
         if p is not None:
-            p.rank.inflight.discard(sub_id)
+            self._abort_on_ranks(sub_id, p)
             p.queue.put_nowait((p.index, failure))
 
     # ---- liveness --------------------------------------------------------------------------------
@@ -290,9 +347,18 @@ class Dispatcher:
             p = self.pending.get(sid)
             if p is None:
                 continue
-            if not p.last and not p.retried and self._retry(sid, p):
+            if p.decode is None and not p.last and not p.retried and self._retry(sid, p):
                 continue
             self._fail(sid, Failure(500, f"rank {rank.name} died while serving this request ({reason})"))
+        if rank.role in PD_ROLES:
+            self._broadcast_peers()
+
+    def _broadcast_peers(self) -> None:
+        """Tell every live PD rank who the live PD ranks are (and where decode ranks listen)."""
+        live = [r for r in self.registry.live() if r.role in PD_ROLES]
+        msg = Peers([PeerInfo(r.name, r.role, r.hello.peer_addr if r.hello else "") for r in live])
+        for r in live:
+            self._send(r, msg)
 
     def _retry(self, sid: str, p: _Pending) -> bool:
         """Re-send a sub-request that has no output yet to another live rank."""
@@ -306,3 +372,22 @@ class Dispatcher:
         rank.inflight.add(sid)
         self._send(rank, p.msg)
         return True
+
+
+def phase_durations(sent_at: float, t) -> dict[str, float]:
+    """Seconds per phase of one finished request from its PhaseTimes (rank wall clocks).
+
+    Colocated: queue, prefill_wait, prefill, decode. PD adds, between prefill and decode:
+    stage (KV into the handoff pool), admission_wait (Handoff sent to read start on the decode
+    rank: network plus waiting for room), transfer (the read), first_decode (read done to the
+    decode rank's first token); decode then runs from that token to the end.
+    """
+    start = t.prefill_start or t.arrived
+    out = {"queue": t.arrived - sent_at, "prefill_wait": start - t.arrived, "prefill": t.first_token - start}
+    if t.handoff_sent:
+        out.update(stage=t.handoff_sent - t.first_token, admission_wait=t.pull_start - t.handoff_sent,
+                   transfer=t.pull_end - t.pull_start, first_decode=t.first_decode - t.pull_end,
+                   decode=t.finished - t.first_decode)
+    else:
+        out["decode"] = t.finished - t.first_token
+    return {k: max(0.0, v) for k, v in out.items()}

@@ -2,12 +2,17 @@
 
     python -m pd_server.launch --colocated 2 [--model NAME|PATH] [--port 8000] [--host 127.0.0.1]
                                [router flags] [engine flags, forwarded to every rank]
+    python -m pd_server.launch --prefill 1 --decode 1 [--transfer auto|nixl|shm] [--handoff-lease-s 10]
+                               [--handoff-pool-gb 0.25] [--prefill-host IP] [--decode-host IP] ...
 
   1. Resolve the model once here (GGUF conversion, if any, happens before ranks start) and
      load its tokenizer.
   2. Bind the rank socket (tcp://127.0.0.1:<free port> by default) and start each rank
-     (`python -m decode.rank`) pointed at it, its logs in --run-dir when given. CPU threads
-     are divided among the ranks (engine --num-threads 0 -> cores // ranks, at least 1).
+     (`python -m decode.rank --role colocated|decode`, `python -m prefill.rank`) pointed at
+     it, its logs in --run-dir when given. CPU threads are divided among the ranks (engine
+     --num-threads 0 -> cores // ranks, at least 1). PD mode (--prefill N --decode M, no
+     colocated ranks): the handoff flags go to every PD rank, --prefill-host/--decode-host
+     become their --host (their rank-to-rank address); the router introduces them (Peers).
   3. Serve HTTP (uvicorn) until SIGINT/SIGTERM; /health turns 200 once every rank said Hello.
   4. On the way out: Shutdown to every rank, wait a few seconds, then SIGTERM/SIGKILL any
      that remain. Ranks also exit by themselves when the router goes silent.
@@ -24,6 +29,7 @@ import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from decode.config import HandoffConfig
 from pd_server.cli_args import add_dataclass_args, from_args, opt
 from pd_server.config import RouterConfig
 
@@ -34,8 +40,10 @@ EXIT_USAGE = 2
 @dataclass(frozen=True)
 class LaunchConfig:
     colocated: int = opt(1, "colocated ranks to start (each prefills and decodes)")
-    prefill: int = opt(0, "prefill ranks (PD mode; arrives with the prefill/decode issue)")
-    decode: int = opt(0, "decode ranks (PD mode; arrives with the prefill/decode issue)")
+    prefill: int = opt(0, "prefill ranks (PD mode, with --decode; then --colocated is ignored)")
+    decode: int = opt(0, "decode ranks (PD mode, with --prefill)")
+    prefill_host: str = opt("127.0.0.1", "PD: the prefill ranks' --host (address they connect to decode ranks from)")
+    decode_host: str = opt("127.0.0.1", "PD: the decode ranks' --host (address their peer socket binds)")
     run_dir: str = opt("", "directory for rank logs (default: ranks log to this process's stderr)")
     fake_ranks: bool = opt(False, "start stand-in ranks (decode/fake_rank.py, no model) for router benchmarks/tests")
     fake_step_ms: float = opt(0.0, "with --fake-ranks: pause between their steps (0: as fast as they can)")
@@ -44,15 +52,33 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if min(self.colocated, self.prefill, self.decode) < 0:
             raise ValueError("rank counts must be >= 0")
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("PD mode needs both --prefill N and --decode M (N, M >= 1)")
+        if self.pd and self.fake_ranks:
+            raise ValueError("--fake-ranks runs colocated stand-ins only")
+
+    @property
+    def pd(self) -> bool:
+        return self.prefill > 0
+
+    @property
+    def roles(self) -> list[tuple[str, int]]:
+        """(role, count) of the ranks to start."""
+        return [("prefill", self.prefill), ("decode", self.decode)] if self.pd else [("colocated", self.colocated)]
 
     @property
     def num_ranks(self) -> int:
-        return self.colocated + self.prefill + self.decode
+        return sum(n for _, n in self.roles)
 
 
-def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router_addr: str) -> list[str]:
-    module = "decode.fake_rank" if launch.fake_ranks else "decode.rank"
+def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router_addr: str,
+                 handoff: HandoffConfig | None = None) -> list[str]:
+    module = {"prefill": "prefill.rank"}.get(role, "decode.fake_rank" if launch.fake_ranks else "decode.rank")
     cmd = [sys.executable, "-m", module, "--role", role, "--index", str(index), "--router-addr", router_addr]
+    if role in ("prefill", "decode"):
+        cmd += ["--host", launch.prefill_host if role == "prefill" else launch.decode_host]
+        for f in fields(HandoffConfig):
+            cmd += ["--" + f.name.replace("_", "-"), str(getattr(handoff or HandoffConfig(), f.name))]
     for f in fields(engine_cfg):  # only what differs from the engine's defaults
         value = getattr(engine_cfg, f.name)
         if f.name == "hicache_shm_name" and value:
@@ -64,22 +90,24 @@ def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router
     return cmd
 
 
-def spawn_ranks(engine_cfg, launch: LaunchConfig, router_addr: str, registry) -> list[subprocess.Popen]:
+def spawn_ranks(engine_cfg, launch: LaunchConfig, router_addr: str, registry,
+                handoff: HandoffConfig | None = None) -> list[subprocess.Popen]:
     procs = []
     if launch.run_dir:
         Path(launch.run_dir).mkdir(parents=True, exist_ok=True)
-    for i in range(launch.colocated):
-        log_file = None
-        if launch.run_dir:
-            log_file = open(Path(launch.run_dir) / f"rank-colocated-{i}.log", "ab")  # noqa: SIM115 - child owns it
-        cmd = rank_command(engine_cfg, launch, "colocated", i, router_addr)
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file,
-                                stderr=subprocess.STDOUT if log_file else None)
-        if log_file:
-            log_file.close()
-        registry.expect("colocated", i, proc)
-        procs.append(proc)
-        log.info("started colocated-%d (pid %d)", i, proc.pid)
+    for role, count in launch.roles:
+        for i in range(count):
+            log_file = None
+            if launch.run_dir:
+                log_file = open(Path(launch.run_dir) / f"rank-{role}-{i}.log", "ab")  # noqa: SIM115 - child owns it
+            cmd = rank_command(engine_cfg, launch, role, i, router_addr, handoff)
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file,
+                                    stderr=subprocess.STDOUT if log_file else None)
+            if log_file:
+                log_file.close()
+            registry.expect(role, i, proc)
+            procs.append(proc)
+            log.info("started %s-%d (pid %d)", role, i, proc.pid)
     return procs
 
 
@@ -99,7 +127,8 @@ def reap(procs: list[subprocess.Popen], grace_s: float) -> None:
                 pass
 
 
-async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, model_name: str) -> None:
+async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, model_name: str,
+                handoff: HandoffConfig | None = None) -> None:
     """Run the router and its ranks until a signal; `model_name` is the served id."""
     import uvicorn
 
@@ -117,7 +146,7 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
     dispatcher = Dispatcher(cfg, registry, make_policy(cfg.routing_policy), metrics)
     addr = dispatcher.bind()
     log.info("rank socket at %s", addr)
-    procs = spawn_ranks(engine_cfg, launch, addr, registry)
+    procs = spawn_ranks(engine_cfg, launch, addr, registry, handoff)
     ctx = ServerContext(cfg, model_name, frozenset({model_name, engine_cfg.model}), tokenizer,
                         ChatRenderer(tokenizer), registry, dispatcher, metrics)
     server = uvicorn.Server(uvicorn.Config(build_app(ctx), host=cfg.host, port=cfg.port, log_level="warning",
@@ -142,23 +171,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataclass_args(ap, LaunchConfig)
     add_dataclass_args(ap, RouterConfig)
+    add_dataclass_args(ap, HandoffConfig)
     add_cli_args(ap, EngineConfig)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     try:
         launch, cfg = from_args(args, LaunchConfig), from_args(args, RouterConfig)
-        engine_cfg = from_cli_args(args, EngineConfig)
+        engine_cfg, handoff = from_cli_args(args, EngineConfig), from_args(args, HandoffConfig)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if launch.prefill or launch.decode:
-        print("error: PD mode (--prefill/--decode) arrives with the prefill/decode issue; "
-              "use --colocated N for now", file=sys.stderr)
-        return EXIT_USAGE
     if launch.num_ranks < 1:
-        print("error: start at least one rank (--colocated N)", file=sys.stderr)
+        print("error: start at least one rank (--colocated N, or --prefill N --decode M)", file=sys.stderr)
         return EXIT_USAGE
+    if launch.pd:
+        log.info("PD mode: %d prefill + %d decode rank(s), transfer %s, handoff lease %.1fs", launch.prefill,
+                 launch.decode, handoff.transfer, handoff.handoff_lease_s)
     if engine_cfg.num_threads == 0:
         engine_cfg = replace(engine_cfg, num_threads=max(1, (os.cpu_count() or 1) // launch.num_ranks))
     log.info("%d rank(s), %d torch thread(s) each", launch.num_ranks, engine_cfg.num_threads)
@@ -170,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = cached_model_dir(engine_cfg.model)  # converts a GGUF once, before any rank starts
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model_name = cfg.served_model_name or served_name(engine_cfg.model)
-    asyncio.run(serve(cfg, engine_cfg, launch, tokenizer, model_name))
+    asyncio.run(serve(cfg, engine_cfg, launch, tokenizer, model_name, handoff))
     return 0
 
 

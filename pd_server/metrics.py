@@ -28,9 +28,10 @@ class RouterMetrics:
                              buckets=_ITL, registry=r)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "arrival to last token", buckets=_LAT,
                              registry=r)
-        self.phase = Histogram("pdserve_phase_seconds", "per-phase time of a request on its rank "
-                               "(queue: router send to rank arrival; prefill: to first token; decode: to finish)",
-                               ["phase"], buckets=_LAT, registry=r)
+        self.phase = Histogram("pdserve_phase_seconds", "per-phase time of a request on its ranks (queue: router "
+                               "send to rank arrival; prefill_wait: to its first prefill chunk; prefill: to first "
+                               "token; PD only: stage, admission_wait, transfer, first_decode; decode: to finish; "
+                               "see dispatcher.phase_durations)", ["phase"], buckets=_LAT, registry=r)
         self.rank_queue = Gauge("pdserve_rank_queue_depth", "waiting sequences on a rank", ["rank"], registry=r)
         self.rank_running = Gauge("pdserve_rank_running", "running sequences on a rank", ["rank"], registry=r)
         self.rank_pages = Gauge("pdserve_rank_kv_pages_used", "KV pages in use on a rank", ["rank"], registry=r)
@@ -44,7 +45,14 @@ class RouterMetrics:
         self.rank_host_hits = Gauge("pdserve_rank_host_cache_hit_tokens",
                                     "prompt tokens a rank served from its host cache, since it started",
                                     ["rank"], registry=r)
-        # Transfer bytes/seconds (PD handoff) are registered by the prefill/decode issue.
+        self.rank_handoffs = Gauge("pdserve_rank_handoffs", "prefill: handoffs awaiting Pulled; decode: handoffs "
+                                   "queued or being pulled", ["rank"], registry=r)
+        self.rank_handoff_pages = Gauge("pdserve_rank_handoff_pages_used", "prefill: handoff-pool pages reserved "
+                                        "or pinned", ["rank"], registry=r)
+        self.rank_transfer_bytes = Gauge("pdserve_rank_transfer_bytes", "decode: KV bytes pulled since it started",
+                                         ["rank"], registry=r)
+        self.rank_transfer_seconds = Gauge("pdserve_rank_transfer_seconds", "decode: seconds spent in KV pulls "
+                                           "since it started", ["rank"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,6 +17,7 @@ from pd_server.protocol.rank_router import Hello, RankStats
 from pd_server.protocol.router_rank import Reject, Welcome
 
 LOADING, READY, DEAD = "loading", "ready", "dead"
+PD_ROLES = frozenset({"prefill", "decode"})
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Rank:
             "inflight": len(self.inflight), "routed": self.routed,
             "running": s.running if s else 0, "waiting": s.waiting if s else 0,
             "pages_used": s.pages_used if s else 0, "pages_total": s.pages_total if s else 0,
+            "handoffs": s.handoffs if s else 0, "handoff_pages_used": s.handoff_pages_used if s else 0,
             "last_seen_s": round(now - self.last_seen, 3) if self.last_seen else None,
             **({"error": self.dead_reason} if self.dead_reason else {}),
         }

@@ -66,6 +66,25 @@ def make_policy(name: str) -> RoutingPolicy:
     return POLICIES[name]()
 
 
+def pick_decode_rank(registry: RankRegistry, req: RouteRequest, max_inflight: int) -> Rank:
+    """The decode rank for a PD request: fewest requests in flight as the router counts them
+    (exact, and counts requests still prefilling for it), then fewest KV pages used and
+    running sequences from its last stats. Raises APIError like pick_rank."""
+    live = registry.live("decode")
+    if not live:
+        state = "still loading" if registry.status == "loading" else "not available"
+        raise APIError(503, f"no live decode rank: the model is {state}; retry shortly")
+    room = [r for r in live if len(r.inflight) + req.num_seqs <= max_inflight]
+    if not room:
+        raise APIError(429, f"every decode rank is full ({max_inflight} requests each); retry later")
+
+    def load(r: Rank):
+        s = r.stats
+        return (len(r.inflight), s.pages_used if s else 0, s.running if s else 0, r.routed, r.index)
+
+    return min(room, key=load)
+
+
 def pick_rank(registry: RankRegistry, policy: RoutingPolicy, req: RouteRequest, role: str,
               max_inflight: int) -> Rank:
     """The rank for `req` among live ranks of `role`. Raises APIError 503 when none lives

@@ -162,4 +162,7 @@ class SSEResponse(StreamingResponse):
 
 
 def route_headers(handle: Handle, request_id: str) -> dict[str, str]:
-    return {"x-request-id": request_id, "x-pdserve-rank": handle.rank.name}
+    headers = {"x-request-id": request_id, "x-pdserve-rank": handle.rank.name}
+    if handle.decode is not None:
+        headers["x-pdserve-decode-rank"] = handle.decode.name
+    return headers

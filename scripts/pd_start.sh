@@ -2,9 +2,12 @@
 # Start or stop a pdserve system (router + ranks, one process group) on one port.
 #
 #   scripts/pd_start.sh --colocated N [--model NAME|PATH] [--port P] [--host H] [more launch flags]
-#   scripts/pd_start.sh --prefill N --decode M ...      (PD mode: arrives with the prefill/decode issue)
+#   scripts/pd_start.sh --prefill N --decode M [--transfer auto|nixl|shm] ...   (PD mode)
 #   scripts/pd_start.sh stop [--port P]
 #
+# PD mode starts N prefill and M decode ranks; the decode ranks pull each prompt's KV from the
+# prefill ranks (--transfer: NIXL/UCX, or shared memory on one host; auto picks NIXL when it
+# starts). --handoff-lease-s, --handoff-pool-gb, --prefill-host and --decode-host go along.
 # Start bootstraps if needed, launches `python -m pd_server.launch` under setsid, writes
 # logs and the group's pid to runs/<port>/, waits until /health is 200 (every rank loaded)
 # with progress on the console, and prints the URL. Any other flag goes to the launcher
@@ -35,7 +38,7 @@ while [[ $# -gt 0 ]]; do
         --colocated) COLOCATED="$2"; shift 2 ;;
         --prefill) PREFILL="$2"; shift 2 ;;
         --decode) DECODE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) PASS+=("$1"); shift ;;
     esac
 done
@@ -76,13 +79,24 @@ if [[ "$ACTION" == stop ]]; then
 fi
 
 if [[ -n "$PREFILL" || -n "$DECODE" ]]; then
-    say "error: PD mode (--prefill N --decode M) arrives with the prefill/decode issue; use --colocated N for now"
-    exit 2
-fi
-COLOCATED="${COLOCATED:-1}"
-if ! [[ "$COLOCATED" =~ ^[1-9][0-9]*$ ]]; then
-    say "error: --colocated needs a positive count, got '$COLOCATED'"
-    exit 2
+    if ! [[ "$PREFILL" =~ ^[1-9][0-9]*$ && "$DECODE" =~ ^[1-9][0-9]*$ ]]; then
+        say "error: PD mode needs --prefill N and --decode M, both positive (got '$PREFILL', '$DECODE')"
+        exit 2
+    fi
+    if [[ -n "$COLOCATED" ]]; then
+        say "error: --colocated cannot be combined with --prefill/--decode"
+        exit 2
+    fi
+    RANKS=(--prefill "$PREFILL" --decode "$DECODE")
+    WHAT="$PREFILL prefill + $DECODE decode rank(s)"
+else
+    COLOCATED="${COLOCATED:-1}"
+    if ! [[ "$COLOCATED" =~ ^[1-9][0-9]*$ ]]; then
+        say "error: --colocated needs a positive count, got '$COLOCATED'"
+        exit 2
+    fi
+    RANKS=(--colocated "$COLOCATED")
+    WHAT="$COLOCATED colocated rank(s)"
 fi
 
 if [[ -f "$PID_FILE" ]] && group_alive "$(cat "$PID_FILE")"; then
@@ -96,11 +110,11 @@ mkdir -p "$RUN_DIR"
 cd "$ROOT"
 # setsid: the launcher leads a new process group holding every rank it starts, so stop can
 # signal them all at once.
-setsid "$PY" -m pd_server.launch --colocated "$COLOCATED" --port "$PORT" --host "$HOST" \
+setsid "$PY" -m pd_server.launch "${RANKS[@]}" --port "$PORT" --host "$HOST" \
     --run-dir "$RUN_DIR" "${PASS[@]}" </dev/null >"$RUN_DIR/router.log" 2>&1 &
 PGID=$!
 echo "$PGID" > "$PID_FILE"
-say "starting $COLOCATED colocated rank(s) on port $PORT (group $PGID, logs in $RUN_DIR)"
+say "starting $WHAT on port $PORT (group $PGID, logs in $RUN_DIR)"
 
 URL="http://$HOST:$PORT"
 [[ "$HOST" == "0.0.0.0" ]] && URL="http://127.0.0.1:$PORT"

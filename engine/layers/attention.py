@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
+from engine.layers.paged_attention_op import paged_decode_attention
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, causal: bool = False):
@@ -16,9 +17,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
     path, 10-15x slower for a 2k-token prefill. Hence the reshape and repeat here.
     """
     squeeze = q.dim() == 3
-    if squeeze:
+    if squeeze:  # masks come 4-D already ([1, 1, Lq, Lk], see forward_batch)
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        mask = None if mask is None else mask.unsqueeze(0)
     groups = q.shape[-3] // k.shape[-3]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
@@ -46,18 +46,15 @@ class PagedAttention(torch.nn.Module):
         layer[fb.write_page, 1, fb.write_off] = v
         out = torch.empty_like(q)
         b = fb.num_decode
-        if b:
-            g = layer[fb.dec_pages]  # [B, Pmax, 2, page_size, KVH, D]
-            kv = g.transpose(2, 1).flatten(2, 3).transpose(2, 3)  # [B, 2, KVH, Pmax*ps, D]
-            o = _sdpa(q[:b].unsqueeze(2), kv[:, 0], kv[:, 1], fb.dec_mask, self.scale)  # [B, H, 1, D]
-            out[:b] = o.squeeze(2)
+        if b:  # one query per sequence: the C++ kernel reads the pages in place
+            out[:b] = paged_decode_attention(q[:b].contiguous(), layer, fb.dec_pages, fb.dec_ctx, self.scale)
         for p in fb.prefills:
             s, n = p.start, p.length
             if p.mask is None:  # no earlier context: the step's own K/V are the whole context
                 kk, vv = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)  # [KVH, n, D]
             else:
                 g = layer[p.pages]  # [np, 2, ps, KVH, D]
-                kv = g.transpose(0, 1).flatten(1, 2)[:, :p.mask.shape[1]].transpose(1, 2)  # [2, KVH, ctx, D]
+                kv = g.transpose(0, 1).flatten(1, 2)[:, :p.mask.shape[-1]].transpose(1, 2)  # [2, KVH, ctx, D]
                 kk, vv = kv[0], kv[1]
             o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, p.mask, self.scale, causal=p.mask is None)
             out[s:s + n] = o.transpose(0, 1)
@@ -68,18 +65,20 @@ class PagedAttention(torch.nn.Module):
         ring = pool.swa[:, li]  # [S, 2, W, KVH, D] view
         out = torch.empty_like(q)
         b = fb.num_decode
-        if b:
-            old = ring[fb.dec_slots]  # [B, 2, W, KVH, D]
-            kk = torch.cat([old[:, 0], k[:b].unsqueeze(1)], dim=1).transpose(1, 2)  # [B, KVH, W+1, D]
-            vv = torch.cat([old[:, 1], v[:b].unsqueeze(1)], dim=1).transpose(1, 2)
-            out[:b] = _sdpa(q[:b].unsqueeze(2), kk, vv, fb.dec_swa_mask, self.scale).squeeze(2)
+        if b:  # write first (see forward_batch), then read the ring as one page per sequence
+            slot, idx, tok = fb.swa_write_slot[:b], fb.swa_write_idx[:b], fb.swa_write_tok[:b]
+            ring[slot, 0, idx] = k[tok]
+            ring[slot, 1, idx] = v[tok]
+            out[:b] = paged_decode_attention(q[:b].contiguous(), ring, fb.dec_slots, fb.dec_swa_ctx, self.scale)
         for p in fb.prefills:
             s, n = p.start, p.length
             old = ring[p.swa_slot]  # [2, W, KVH, D]
             kk = torch.cat([old[0], k[s:s + n]]).transpose(0, 1)  # [KVH, W+n, D]
             vv = torch.cat([old[1], v[s:s + n]]).transpose(0, 1)
             out[s:s + n] = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, p.swa_mask, self.scale).transpose(0, 1)
-        # Only after every query of the step has read the old ring.
-        ring[fb.swa_write_slot, 0, fb.swa_write_idx] = k[fb.swa_write_tok]
-        ring[fb.swa_write_slot, 1, fb.swa_write_idx] = v[fb.swa_write_tok]
+        # Prefill chunks write only after all their queries have read the old ring.
+        if fb.prefills:
+            slot, idx, tok = fb.swa_write_slot[b:], fb.swa_write_idx[b:], fb.swa_write_tok[b:]
+            ring[slot, 0, idx] = k[tok]
+            ring[slot, 1, idx] = v[tok]
         return out

@@ -17,13 +17,15 @@ logger = logging.getLogger(__name__)
 TransferKind = Literal["auto", "nixl", "shm"]
 
 
-def make_backend(kind: TransferKind, agent_name: str) -> TransferBackend:
+def make_backend(kind: TransferKind, agent_name: str, *, serves_peers: bool = True) -> TransferBackend:
     """The transfer backend for `--transfer kind`, logging the choice.
 
     "auto" takes NIXL when it imports and its agent starts with UCX, else shared memory.
     `agent_name` names this process's NIXL agent and must be unique among all peers
-    (role, rank index and the run's suffix). "nixl" raises ImportError / RuntimeError
-    when NIXL cannot start.
+    (role, rank index and the run's suffix). `serves_peers`: whether peers read from this
+    process (a prefill rank: True; a decode rank only reads: False, see
+    `NixlBackend(progress_thread=...)`). "nixl" raises ImportError / RuntimeError when NIXL
+    cannot start.
     """
     if kind not in ("auto", "nixl", "shm"):
         raise ValueError(f"unknown transfer backend {kind!r} (auto, nixl or shm)")
@@ -31,7 +33,7 @@ def make_backend(kind: TransferKind, agent_name: str) -> TransferBackend:
         from hicache.transfer.nixl_backend import NixlBackend
 
         try:
-            backend: TransferBackend = NixlBackend(agent_name)
+            backend: TransferBackend = NixlBackend(agent_name, progress_thread=serves_peers)
         except (ImportError, RuntimeError) as e:
             if kind == "nixl":
                 raise

@@ -4,11 +4,11 @@ How a read travels:
   1. `register` registers the region with the agent (one registration for the whole span)
      and prepares its local descriptor list once: a strided list, one descriptor per page.
   2. `add_peer` loads the peer's agent metadata, prepares one descriptor list per remote
-     region (again strided, prepared once) and opens the UCX connection eagerly, so the first
-     read does not pay for the wire-up.
-  3. `read` hands the request to the read thread, which makes one transfer request from the
-     two prepared lists and the page indices (NIXL merges runs of pages adjacent on both
-     sides into one descriptor), posts it and waits for it.
+     region (again strided, prepared once), opens the UCX connection and reads one page of
+     each region into scratch memory, so the first real read pays for no set-up.
+  3. `read` makes one transfer request from the two prepared lists and the page indices
+     (NIXL merges runs of pages adjacent on both sides into one descriptor), posts it and
+     waits for it: on the read thread, or inline when it is small.
   4. `poll` looks at that job's outcome; it never calls into NIXL.
 
 On one host UCX picks CMA (`process_vm_readv`: the reader's kernel copies straight out of
@@ -17,15 +17,16 @@ across hosts whatever the fabric offers (RDMA, else TCP). UCX_TLS / UCX_NET_DEVI
 
 NOTE: with CMA, posting a request IS the copy: `postXferReq` returns only when every byte
 has moved (35 ms for 180 MB here). Hence the read thread: posting there keeps the caller's
-loop running (the binding releases the GIL while it copies).
+loop running (the binding releases the GIL while it copies), and UCX's worker lock is held
+for the whole copy.
 
 NOTE: we drive NIXL through its pybind module (`_bindings`) instead of the `nixl_agent`
 wrapper because the wrapper hard-codes the progress thread's delay to 0: that thread then
 busy-polls and burns a whole core per process, forever (measured: 1.0-2.0 CPU s per idle
 second with nixl 1.5.1). With a delay it sleeps in poll() on the UCX workers' event fds and
-wakes for traffic; the delay only bounds a missed wake-up. The thread is needed at all
-because the owner of the pages never calls into NIXL during a read, yet UCX's connection
-wire-up needs the owner's worker to answer.
+wakes for traffic; the delay only bounds a missed wake-up. The owner of the pages needs the
+thread because it never calls into NIXL during a read, yet UCX's connection wire-up needs
+its worker to answer; a reader progresses its own worker while it posts and polls.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from types import ModuleType
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 from hicache.transfer.base import (
     METADATA_VERSION,
@@ -84,23 +86,28 @@ class _Local:
 class NixlBackend(TransferBackend):
     """Transfers through one NIXL agent named `agent_name` (unique among all peers).
 
-    Every read runs on the read thread (see the module docstring for why). A read still in
-    progress after `read_timeout_s` is aborted and fails. `progress_delay_us` bounds how long
-    the agent's progress thread sleeps when no event wakes it. `num_workers` > 1 gives UCX
-    more workers. Raises ImportError without NIXL, RuntimeError when the UCX plugin is
-    missing or the agent cannot start.
+    `progress_thread`: whether NIXL runs its progress thread. A process that peers read from
+    needs it (its UCX worker must answer connection wire-up while the process computes); a
+    process that only reads must not have it: the thread wakes during a read and spins on the
+    UCX worker lock that the read thread holds while the kernel copies, which burns a core
+    and halved CMA throughput here. `progress_delay_us` bounds how long the thread sleeps when
+    no event wakes it.
+
+    Reads up to `sync_bytes` run inline when the read thread is idle (see `TransferBackend`;
+    inline while it copies would only wait for UCX's worker lock). A read still in progress
+    after `read_timeout_s` is aborted and fails. `num_workers` > 1 gives UCX more
+    workers. Raises ImportError without NIXL, RuntimeError when the UCX plugin is missing or
+    the agent cannot start.
     """
 
     kind: ClassVar[str] = "nixl"
 
-    def __init__(self, agent_name: str, *, progress_delay_us: int = 2000, num_workers: int = 1,
-                 read_timeout_s: float = 30.0) -> None:
-        # NOTE: no read runs inline: UCX holds its worker lock for the whole CMA copy, so a
-        # small read posted here would wait behind a big one on the read thread anyway.
-        super().__init__(sync_bytes=-1)
+    def __init__(self, agent_name: str, *, progress_thread: bool = True, progress_delay_us: int = 2000,
+                 num_workers: int = 1, read_timeout_s: float = 30.0, sync_bytes: int = 4 << 20) -> None:
+        super().__init__(sync_bytes=sync_bytes)
         nixl = load_nixl()
         self._nixl = nixl
-        config = nixl.nixlAgentConfig(True)  # with a progress thread
+        config = nixl.nixlAgentConfig(progress_thread)
         config.pthrDelay = progress_delay_us
         # RW: reads (on the read thread) share the agent; add/remove peer and register lock it
         config.syncMode = nixl.NIXL_THREAD_SYNC_RW
@@ -160,10 +167,36 @@ class NixlBackend(TransferBackend):
                 pages = _strided(r.addr, r.page_bytes, max(r.device, 0), r.stride_bytes, r.num_pages)
                 peer.dlists[r.name] = agent.prepXferDlist(name, mem, pages, [self._ucx])
             agent.makeConnection(name, [self._ucx])
+            self._warm_up(peer)
         except Exception as e:
             self.remove_peer(peer_id)
             raise RuntimeError(f"peer {peer_id!r} (agent {name!r}): NIXL could not connect: {e}") from e
         logger.info("nixl: added peer %s (agent %s, %d regions)", peer_id, name, len(md.regions))
+
+    def _warm_up(self, peer: _Peer) -> None:
+        """Read page 0 of each of the peer's regions into a scratch buffer: UCX sets up its
+        protocols for a peer on the first read (7 ms here, then 2 ms per further region),
+        better at the handshake than in a request's time to first token. Raises when the peer
+        is unreachable."""
+        nixl, agent = self._nixl, self._agent
+        regions = list(peer.regions.values())
+        if not regions:
+            return
+        scratch = torch.empty(max(r.page_bytes for r in regions), dtype=torch.uint8)
+        reg = nixl.nixlRegDList(nixl.DRAM_SEG, [(scratch.data_ptr(), scratch.numel(), 0, "")])
+        agent.registerMem(reg, [self._ucx])
+        try:
+            descs = np.array([[scratch.data_ptr(), r.page_bytes, 0] for r in regions], dtype=np.uint64)
+            dlist = agent.prepXferDlist(nixl.NIXL_INIT_AGENT, nixl.nixlXferDList(nixl.DRAM_SEG, descs),
+                                        [self._ucx])
+            try:
+                for i, r in enumerate(regions):
+                    self._run_read(dlist, np.array([i], dtype=np.int32), peer.dlists[r.name],
+                                   np.array([0], dtype=np.int32))
+            finally:
+                agent.releasedDlistH(dlist)
+        finally:
+            agent.deregisterMem(reg, [self._ucx])
 
     def _has_peer(self, peer_id: str) -> bool:
         return peer_id in self._peers

@@ -8,9 +8,9 @@ How a read travels:
      cannot read it.
   2. `metadata()` names each region's file, offset and layout, plus this boot's id.
   3. `add_peer` maps the peer's files (refused on another host: the boot ids differ).
-  4. `read` copies with `hicache.page_copy.copy_pages` from the mapping into the local region:
-     inline when the read is small (up to `sync_bytes`: cheaper than a hand-off), else on the
-     read thread, so the caller's loop keeps running (the kernel releases the GIL).
+  4. `read` copies with `hicache.page_copy.copy_pages` from the mapping into the local region
+     on the read thread, so the caller's loop keeps running (the kernel releases the GIL), or
+     inline when the read is small (see `TransferBackend`).
 
 NOTE: a thread hand-off costs up to the interpreter's switch interval (5 ms) twice when the
 caller's thread spins in Python code: the read thread needs the GIL to start and to finish.
@@ -130,12 +130,13 @@ class ShmBackend(TransferBackend):
     `copy_threads`: threads the page-copy kernel uses per read. One by default: a copy runs
     beside the rank's compute, whose torch threads already fill the cores (and an OpenMP
     region whose second thread finds its core busy stalls for a scheduler slice, ~16 ms).
-    `sync_bytes`: reads up to this size are copied inside `read` (-1: none).
+    `sync_bytes`: reads up to this size are copied inside `read` when the read thread is
+    idle (-1: none).
     """
 
     kind: ClassVar[str] = "shm"
 
-    def __init__(self, *, copy_threads: int = 1, sync_bytes: int = 1 << 20) -> None:
+    def __init__(self, *, copy_threads: int = 1, sync_bytes: int = 4 << 20) -> None:
         super().__init__(sync_bytes=sync_bytes)
         self._threads = copy_threads
         self._exports: dict[str, tuple[str, int] | None] = {}

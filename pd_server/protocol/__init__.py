@@ -1,12 +1,12 @@
 """Every message that crosses a process boundary in pdserve, one module per link.
 
-    router_rank.py   router -> rank   (Welcome, Reject, Generate, Abort, Ping, Shutdown)
-    rank_router.py   rank -> router   (Hello, TokenBatch of TokenEvent, RankStats, RequestError, Goodbye)
-    codec.py         msgpack encoder and the typed decoder for each direction
+    router_rank.py     router -> rank   (Welcome, Reject, Peers, Generate, Abort, Ping, Shutdown)
+    rank_router.py     rank -> router   (Hello, TokenBatch of TokenEvent, RankStats, RequestError, Goodbye)
+    prefill_decode.py  prefill <-> decode (PeerHello, Handoff; PeerWelcome, PeerReject, Pulled, PullFailed)
+    codec.py           msgpack encoder and the typed decoder for each direction
 
 Definitions only (plus the codec); the logic lives with the router (pd_server/) and the
-ranks (decode/, prefill/). The prefill -> decode KV handoff gets its own module here
-(prefill_decode.py) with the prefill/decode issue.
+ranks (decode/, prefill/).
 """
 from __future__ import annotations
 
@@ -18,10 +18,13 @@ from typing import Literal
 #     (array_like structs are positional, so order matters there);
 #   - a tag changed or a message type added or removed;
 #   - a change of meaning (units, a sentinel such as decode_rank=-1, what a status means).
+# PeerHello (prefill_decode.py) follows the same rule as Hello for its first two slots.
 # Hello's first two array slots (the tag "hello", then protocol_version) never change: the
 # router reads them from any Hello, even one it cannot otherwise decode, and refuses the
 # rank with a message naming both versions.
-PROTOCOL_VERSION = 1
+# History: 2 added Hello.peer_addr, Peers, the PD PhaseTimes fields, RankStats handoff/transfer
+# counters and the prefill_decode.py link.
+PROTOCOL_VERSION = 2
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")

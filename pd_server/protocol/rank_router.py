@@ -25,6 +25,7 @@ class Hello(msgspec.Struct, frozen=True, array_like=True, tag="hello"):
     vocab_size: int
     page_size: int
     pages_total: int
+    peer_addr: str = ""  # decode ranks: where prefill ranks connect (prefill_decode.py); else ""
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -34,11 +35,20 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class PhaseTimes(msgspec.Struct, frozen=True, array_like=True):
-    """Rank wall clock (time.time()) at each phase boundary of one request."""
+    """Rank wall clocks (time.time()) at each phase boundary of one request.
+
+    The first four come from the rank that prefilled (colocated or prefill rank), the PD
+    fields from the decode rank (0.0 in colocated mode).
+    """
 
     arrived: float  # Generate received by the rank
     first_token: float  # first output token sampled (end of prefill)
     finished: float
+    prefill_start: float = 0.0  # first prefill chunk scheduled (0.0: unknown)
+    handoff_sent: float = 0.0  # PD: KV staged in the prefill rank's handoff pool, Handoff sent
+    pull_start: float = 0.0  # PD: decode rank had room and started the read
+    pull_end: float = 0.0  # PD: read done, sequence committed to the decode engine
+    first_decode: float = 0.0  # PD: the decode rank's first token (its first decode step)
 
 
 class TokenEvent(msgspec.Struct, frozen=True, array_like=True):
@@ -68,6 +78,10 @@ class RankStats(msgspec.Struct, frozen=True, array_like=True, tag="stats"):
     steps: int  # engine steps so far
     host_cache_lookup_tokens: int = 0  # prompt tokens looked up in the host cache, since start
     host_cache_hit_tokens: int = 0  # of those, tokens served from it
+    handoff_pages_used: int = 0  # prefill: handoff-pool pages reserved or pinned (0 when idle)
+    handoffs: int = 0  # prefill: handoffs awaiting Pulled; decode: handoffs queued or being pulled
+    transfer_bytes: int = 0  # decode: bytes pulled from prefill ranks, since start
+    transfer_seconds: float = 0.0  # decode: wall time of those pulls (read start to done), since start
 
 
 class RequestError(msgspec.Struct, frozen=True, array_like=True, tag="error"):

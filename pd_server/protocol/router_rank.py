@@ -2,9 +2,11 @@
 
 Life of the link:
   1. The rank says Hello (rank_router.py); the router answers Welcome, or Reject and the
-     rank exits with the reason.
+     rank exits with the reason. PD ranks then get Peers, and again whenever a prefill or
+     decode rank joins or dies (prefill ranks connect to the decode ranks listed).
   2. Generate starts a request on the rank; Abort ends it early (client gone, n>1 sibling
-     failed). Abort is idempotent: it may cross the request's last TokenEvent.
+     failed). Abort is idempotent: it may cross the request's last TokenEvent. In PD mode
+     Abort goes to the prefill and the decode rank of the request, whatever its phase.
   3. Ping every heartbeat interval; a rank that hears nothing for its router timeout
      assumes the router died and exits. Shutdown asks it to exit now.
 """
@@ -21,6 +23,18 @@ class Welcome(msgspec.Struct, frozen=True, array_like=True, tag="welcome"):
 
 class Reject(msgspec.Struct, frozen=True, array_like=True, tag="reject"):
     reason: str  # human-readable; the rank logs it and exits non-zero
+
+
+class PeerInfo(msgspec.Struct, frozen=True, array_like=True):
+    name: str  # e.g. "decode-1"
+    role: str
+    addr: str  # decode ranks: ZeroMQ address of their peer socket; prefill ranks: ""
+
+
+class Peers(msgspec.Struct, frozen=True, array_like=True, tag="peers"):
+    """Every live prefill and decode rank (the whole list each time, not a diff)."""
+
+    peers: list[PeerInfo]
 
 
 class Sampling(msgspec.Struct, frozen=True, array_like=True):
@@ -66,4 +80,4 @@ class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag="shutdown"):
     reason: str
 
 
-RouterToRank = Welcome | Reject | Generate | Abort | Ping | Shutdown
+RouterToRank = Welcome | Reject | Peers | Generate | Abort | Ping | Shutdown

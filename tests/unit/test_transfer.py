@@ -94,12 +94,15 @@ class Owner:
 
 
 def make_reader(kind: str) -> TransferBackend:
+    """Reads of up to 4 pages run inline (when the read thread is idle), bigger ones on it."""
     if kind == "shm":
-        return ShmBackend(sync_bytes=4 * PAGE_BYTES)  # up to 4 pages inline, more on the copy thread
+        return ShmBackend(sync_bytes=4 * PAGE_BYTES)
     from hicache.transfer.nixl_backend import NixlBackend
 
     try:
-        return NixlBackend(f"reader-{os.getpid()}-{time.monotonic_ns()}")
+        # as a decode rank: it only reads, so no progress thread (the owner keeps its own)
+        return NixlBackend(f"reader-{os.getpid()}-{time.monotonic_ns()}", progress_thread=False,
+                           sync_bytes=4 * PAGE_BYTES)
     except (ImportError, RuntimeError) as e:
         pytest.skip(f"NIXL cannot start here: {e}")
 
@@ -150,13 +153,16 @@ def test_read_random_pages_exact(pair) -> None:
 
 def test_many_reads_in_flight(pair) -> None:
     reader, local, _ = pair
+    # a big read on the read thread, then small ones: inline, or queued behind it while it runs
+    big = reader.read("prefill0", "host", list(range(32)), "kv", list(range(16, 48)))
     handles = [reader.read("prefill0", "host", [OWNER_PAGES - 1 - i], "kv", [i]) for i in range(16)]
     empty = reader.read("prefill0", "host", [], "kv", [])
-    assert [reader.wait(h, timeout=20) for h in handles + [empty]] == ["done"] * 17
-    for h in handles + [empty]:
+    assert [reader.wait(h, timeout=20) for h in [big, *handles, empty]] == ["done"] * 18
+    for h in [big, *handles, empty]:
         reader.release(h)
-    got = local.view(LOCAL_PAGES, -1).view(torch.uint8)[:16]
-    assert torch.equal(got, expected_pages().flip(0)[:16])
+    got = local.view(LOCAL_PAGES, -1).view(torch.uint8)
+    assert torch.equal(got[:16], expected_pages().flip(0)[:16])
+    assert torch.equal(got[16:], expected_pages()[:32])
 
 
 def test_bad_reads_raise(pair) -> None:
@@ -272,7 +278,7 @@ def test_make_backend_choices() -> None:
     shm = make_backend("shm", "x")
     assert isinstance(shm, ShmBackend)
     shm.close()
-    auto = make_backend("auto", f"auto-{os.getpid()}")
+    auto = make_backend("auto", f"auto-{os.getpid()}", serves_peers=False)
     try:
         assert auto.kind in ("nixl", "shm")
     finally:

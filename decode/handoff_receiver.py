@@ -1,0 +1,243 @@
+"""The decode rank's side of the KV handoff: admit, pull, commit, answer.
+
+A handed-off request on a decode rank:
+  1. Queued: the Handoff arrived (from a prefill rank that said PeerHello and was added to the
+     transfer backend). FIFO; the KV waits, pinned, in the prefill rank's handoff pool.
+  2. Pulling: the engine had room (reserve_kv: device pages, an SWA slot, a sequence place);
+     two reads run on the backend's thread, the prompt's pages into the reserved pages and the
+     SWA rings (one window per sliding layer, never more) into the reserved slot, while the
+     rank keeps decoding other sequences. `progress()` polls them between steps.
+  3. Committed: both reads done -> engine.add_prefilled() (decoding starts next step) and
+     Pulled to the prefill rank. A failed read -> pages back, PullFailed to the prefill rank,
+     RequestError to the router.
+Failure paths, every one answering the prefill rank exactly once per Handoff it sent:
+  - abort while queued: dropped, PullFailed("aborted"); while pulling: the read finishes,
+    then pages back and Pulled; before the Handoff arrived: remembered (`_tombstones`), the
+    Handoff is refused on arrival;
+  - no room until `deadline_s` after arrival (the prefill rank's lease minus a margin):
+    PullFailed, RequestError 503 (the rank is overloaded; nothing was read);
+  - the prefill rank leaves the router's Peers: its peer is removed from the backend (reads
+    in flight then fail) and its queued handoffs fail with RequestError 500.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+from pd_server.protocol import PROTOCOL_VERSION
+from pd_server.protocol.prefill_decode import (PAGES_REGION, STATES_REGION, Handoff, PeerHello, PeerReject,
+                                               PeerWelcome, PrefillTimes, Pulled, PullFailed)
+from pd_server.protocol.rank_router import RequestError
+
+log = logging.getLogger(__name__)
+
+TOMBSTONE_S = 60.0  # how long an abort that came before its Handoff is remembered
+
+
+@dataclass
+class Committed:
+    """A request that started decoding, with what its phase times need."""
+
+    request_id: str
+    prefill: PrefillTimes
+    pull_start: float  # wall clock
+    pull_end: float
+
+
+@dataclass
+class _Incoming:
+    sender: bytes
+    handoff: Handoff
+    deadline: float  # monotonic: no read starts after this
+    res: object = None  # engine KVReservation, once pulling
+    handles: list = field(default_factory=list)
+    pull_start: float = 0.0
+    aborted: bool = False
+
+
+class HandoffReceiver:
+    """Not thread-safe: the rank's engine thread owns it (and the engine and the backend).
+
+    `send_peer(sender, msg)` answers a prefill rank, `send_router(msg)` fails a request.
+    `clock` is monotonic seconds, `wall` the wall clock (tests pass fakes).
+    """
+
+    def __init__(self, engine, backend, name: str, deadline_s: float,
+                 send_peer: Callable[[bytes, msgspec.Struct], None],
+                 send_router: Callable[[msgspec.Struct], None],
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self.engine, self.backend, self.name = engine, backend, name
+        self.deadline_s = deadline_s
+        self.send_peer, self.send_router = send_peer, send_router
+        self.clock, self.wall = clock, wall
+        self.peers: dict[bytes, str] = {}  # sender identity -> prefill rank name (a backend peer id)
+        self.queue: deque[_Incoming] = deque()
+        self.pulling: dict[str, _Incoming] = {}
+        self._tombstones: dict[str, float] = {}  # request id -> monotonic expiry
+        self.transfer_bytes = 0
+        self.transfer_seconds = 0.0
+
+    @property
+    def num_handoffs(self) -> int:
+        return len(self.queue) + len(self.pulling)
+
+    def holds(self, rid: str) -> bool:
+        return rid in self.pulling or any(i.handoff.request_id == rid for i in self.queue)
+
+    # ---- messages --------------------------------------------------------------------------
+    def on_peer_hello(self, sender: bytes, hello: PeerHello) -> None:
+        reason = None
+        if hello.protocol_version != PROTOCOL_VERSION:
+            reason = f"protocol version mismatch: prefill speaks {hello.protocol_version}, decode {PROTOCOL_VERSION}"
+        elif hello.transfer_kind != self.backend.kind:
+            reason = (f"{hello.name} uses the {hello.transfer_kind} transfer backend, {self.name} uses "
+                      f"{self.backend.kind}: start every PD rank with the same --transfer")
+        else:
+            for ident, name in list(self.peers.items()):
+                if name == hello.name:  # the same rank reconnected (new socket): start over
+                    self._drop_peer(ident, f"{name} reconnected")
+            try:
+                self.backend.add_peer(hello.name, hello.transfer_metadata)
+            except (ValueError, RuntimeError) as e:
+                reason = f"cannot reach {hello.name}'s handoff pool: {e}"
+        if reason is not None:
+            log.error("refusing prefill peer %s: %s", hello.name, reason)
+            self.send_peer(sender, PeerReject(self.name, reason))
+            return
+        self.peers[sender] = hello.name
+        log.info("prefill peer %s connected (pid %d, %s)", hello.name, hello.pid, hello.transfer_kind)
+        self.send_peer(sender, PeerWelcome(self.name))
+
+    def on_handoff(self, sender: bytes, h: Handoff) -> None:
+        rid = h.request_id
+        if self._tombstones.pop(rid, None) is not None:
+            self.send_peer(sender, PullFailed(rid, "aborted before the handoff arrived"))
+            return
+        problem = None
+        if sender not in self.peers:
+            problem = "the prefill rank's PeerHello was refused or never arrived"
+        elif self.holds(rid) or rid in self.engine.seqs:
+            problem = "request id already on this decode rank"
+        elif len(h.pages) != self.engine.pool.pages_for(len(h.prompt_ids)) or \
+                (h.swa_state >= 0) != bool(self.engine.pool.swa_layers):
+            problem = "handoff does not match this rank's KV layout (page size or model differ)"
+        if problem is not None:
+            self._fail(_Incoming(sender, h, 0.0), 500, problem)
+            return
+        self.queue.append(_Incoming(sender, h, self.clock() + self.deadline_s))
+
+    def on_abort(self, rid: str) -> bool:
+        """Abort a handoff this rank holds (True), else remember it in case the Handoff is still
+        on its way (False: the caller aborts in the engine)."""
+        inc = self.pulling.get(rid)
+        if inc is not None:
+            inc.aborted = True  # the read cannot be interrupted; progress() cleans up after it
+            return True
+        for inc in self.queue:
+            if inc.handoff.request_id == rid:
+                self.queue.remove(inc)
+                self.send_peer(inc.sender, PullFailed(rid, "aborted"))
+                return True
+        if rid not in self.engine.seqs:
+            self._tombstones[rid] = self.clock() + TOMBSTONE_S
+        return False
+
+    def on_live_prefill(self, names: set[str]) -> None:
+        """The router's Peers: drop prefill ranks that are gone, failing what came from them."""
+        for ident, name in list(self.peers.items()):
+            if name not in names:
+                self._drop_peer(ident, f"prefill rank {name} died before its KV was pulled")
+
+    def _drop_peer(self, ident: bytes, why: str) -> None:
+        name = self.peers.pop(ident)
+        self.backend.remove_peer(name)  # reads in flight from it now poll "failed"
+        for inc in [i for i in self.queue if i.sender == ident]:
+            self.queue.remove(inc)
+            self._fail(inc, 500, why, answer_peer=False)
+        log.warning("prefill peer %s removed: %s", name, why)
+
+    # ---- between steps ---------------------------------------------------------------------
+    def progress(self) -> list[Committed]:
+        """Poll reads, commit finished ones, start new ones while there is room."""
+        done = self._poll()
+        now = self.clock()
+        for rid, exp in list(self._tombstones.items()):
+            if exp <= now:
+                del self._tombstones[rid]
+        while self.queue:
+            inc = self.queue[0]
+            if now > inc.deadline:
+                self.queue.popleft()
+                self._fail(inc, 503, f"decode rank {self.name} had no room for this request's KV within "
+                                     f"{self.deadline_s:.1f}s; the system is overloaded, retry later")
+                continue
+            res = self.engine.reserve_kv(len(inc.handoff.prompt_ids))
+            if res is None:
+                break  # FCFS: the head waits for room, the KV waits in the prefill's pool
+            self.queue.popleft()
+            self._start(inc, res)
+        return done + self._poll()  # tiny reads finish inside read()
+
+    def _start(self, inc: _Incoming, res) -> None:
+        h, peer = inc.handoff, self.peers[inc.sender]
+        inc.res, inc.pull_start = res, self.wall()
+        self.pulling[h.request_id] = inc
+        try:
+            inc.handles.append(self.backend.read(peer, PAGES_REGION, h.pages, PAGES_REGION, res.pages))
+            if h.swa_state >= 0:
+                inc.handles.append(self.backend.read(peer, STATES_REGION, [h.swa_state], STATES_REGION,
+                                                     [res.swa_slot]))
+        except (KeyError, ValueError, RuntimeError) as e:  # the peer vanished, or a bad page id
+            log.error("cannot start the pull of %s from %s: %s", h.request_id, peer, e)
+            inc.handles.append(None)
+
+    def _poll(self) -> list[Committed]:
+        out = []
+        for rid, inc in list(self.pulling.items()):
+            states = [self.backend.poll(hd) if hd is not None else "failed" for hd in inc.handles]
+            if "pending" in states:
+                continue
+            del self.pulling[rid]
+            for hd in inc.handles:
+                if hd is not None:
+                    self.backend.release(hd)
+            ok = all(s == "done" for s in states)
+            end = self.wall()
+            if ok:
+                self.transfer_bytes += sum(hd.nbytes for hd in inc.handles)
+                self.transfer_seconds += end - inc.pull_start
+            if inc.aborted:
+                self.engine.release_kv(inc.res)
+                self.send_peer(inc.sender, Pulled(rid) if ok else PullFailed(rid, "aborted"))
+            elif not ok:
+                self.engine.release_kv(inc.res)
+                self._fail(inc, 500, f"KV transfer from {self.peers.get(inc.sender, 'a prefill rank')} failed")
+            else:
+                self.send_peer(inc.sender, Pulled(rid))
+                if self._commit(inc):
+                    out.append(Committed(rid, inc.handoff.times, inc.pull_start, end))
+        return out
+
+    def _commit(self, inc: _Incoming) -> bool:
+        h = inc.handoff
+        try:
+            params = SamplingParams(**msgspec.structs.asdict(h.sampling))
+            self.engine.add_prefilled(h.request_id, h.prompt_ids, [h.first_token], params, inc.res,
+                                      h.cached_tokens)
+        except ValueError as e:  # add_prefilled released the reservation
+            self.send_router(RequestError(h.request_id, 400, str(e)))
+            return False
+        return True
+
+    def _fail(self, inc: _Incoming, status: int, message: str, answer_peer: bool = True) -> None:
+        rid = inc.handoff.request_id
+        log.warning("handoff %s failed: %s", rid, message)
+        if answer_peer:
+            self.send_peer(inc.sender, PullFailed(rid, message))
+        self.send_router(RequestError(rid, status, message))

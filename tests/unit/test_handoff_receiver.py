@@ -1,0 +1,190 @@
+"""The decode rank's handoff state machine (decode/handoff_receiver.py) driven by fakes.
+
+Every test checks the invariant that matters to the prefill rank: each Handoff it sent gets
+exactly one answer (Pulled or PullFailed), and that reservations never leak.
+"""
+from __future__ import annotations
+
+import pytest
+
+from decode.handoff_receiver import HandoffReceiver
+from pd_server.protocol import PROTOCOL_VERSION
+from pd_server.protocol.prefill_decode import (PAGES_REGION, STATES_REGION, Handoff, PeerHello, PeerReject,
+                                               PeerWelcome, PrefillTimes, Pulled, PullFailed)
+from pd_server.protocol.rank_router import RequestError
+from pd_server.protocol.router_rank import Sampling
+from tests.fakes import FakeBackend, FakeClock, FakeEngine, FakeWorld
+
+PEER = b"prefill-0-123"
+DEADLINE_S = 5.0
+
+
+class Rig:
+    def __init__(self, room: int = 64, swa: bool = False, auto: bool = False, kind: str = "shm") -> None:
+        import torch
+
+        self.world = FakeWorld()
+        self.prefill = FakeBackend("prefill-agent", self.world, kind=kind)
+        self.prefill.register(PAGES_REGION, torch.arange(32 * 4, dtype=torch.float32).view(32, 4), 16)
+        self.prefill.register(STATES_REGION, torch.arange(2 * 8, dtype=torch.float32).view(2, 8), 32)
+        self.backend = FakeBackend("decode-agent", self.world, auto=auto)
+        self.backend.register(PAGES_REGION, torch.zeros(64, 4), 16)
+        self.backend.register(STATES_REGION, torch.zeros(2, 8), 32)
+        self.engine = FakeEngine(room=room, swa=swa)
+        self.clock = FakeClock()
+        self.to_peer: list[tuple[bytes, object]] = []
+        self.to_router: list[object] = []
+        self.rx = HandoffReceiver(self.engine, self.backend, "decode-0", DEADLINE_S,
+                                  send_peer=lambda d, m: self.to_peer.append((d, m)),
+                                  send_router=self.to_router.append, clock=self.clock, wall=self.clock)
+
+    def hello(self, sender: bytes = PEER, name: str = "prefill-0", version: int = PROTOCOL_VERSION,
+              kind: str = "shm") -> None:
+        self.rx.on_peer_hello(sender, PeerHello(version, name, 123, kind, self.prefill.metadata()))
+
+    def answers(self, rid: str) -> list:
+        return [m for _, m in self.to_peer if isinstance(m, (Pulled, PullFailed)) and m.request_id == rid]
+
+    def errors(self) -> list[RequestError]:
+        return [m for m in self.to_router if isinstance(m, RequestError)]
+
+
+def handoff(rid: str = "r1", n_tokens: int = 40, pages=(5, 9, 2), state: int = -1) -> Handoff:
+    return Handoff(rid, list(range(1, n_tokens + 1)), 77, Sampling(max_tokens=8, temperature=0.0), 16,
+                   list(pages), state, 10.0, PrefillTimes(1.0, 1.1, 1.2, 1.3))
+
+
+def test_pull_reads_exactly_the_handed_pages_then_commits_and_answers_pulled():
+    rig = Rig(swa=True)
+    rig.hello()
+    assert rig.to_peer == [(PEER, PeerWelcome("decode-0"))]
+    rig.rx.on_handoff(PEER, handoff(state=1))
+    assert rig.rx.progress() == [] and rig.rx.num_handoffs == 1
+    pages, states = rig.backend.reads
+    assert (pages.peer, pages.remote_region, pages.remote_pages) == ("prefill-0", PAGES_REGION, [5, 9, 2])
+    assert pages.local_pages == rig.engine.reserved[0].pages and len(pages.local_pages) == 3
+    # SWA: one slot (the window) from the handed state slot into the reserved one; never more.
+    assert (states.remote_region, states.remote_pages, states.local_pages) == (STATES_REGION, [1], [0])
+    rig.clock.advance(0.25)
+    rig.backend.complete()
+    done = rig.rx.progress()
+    assert [c.request_id for c in done] == ["r1"] and done[0].pull_end - done[0].pull_start == 0.25
+    rid, prompt, out, params, res, cached = rig.engine.committed[0]
+    assert (rid, prompt, out, cached) == ("r1", list(range(1, 41)), [77], 16) and params.max_tokens == 8
+    assert rig.answers("r1") == [Pulled("r1")] and rig.errors() == [] and rig.rx.num_handoffs == 0
+    src, dst = rig.world.regions[("prefill-agent", PAGES_REGION)], rig.world.regions[("decode-agent", PAGES_REGION)]
+    assert dst[res.pages].equal(src[[5, 9, 2]])
+    assert rig.rx.transfer_bytes == 3 * 16 + 32
+
+
+def test_full_decode_rank_applies_backpressure_then_pulls_when_room_appears():
+    rig = Rig(room=2)
+    rig.hello()
+    rig.rx.on_handoff(PEER, handoff("big"))  # 3 pages: does not fit
+    rig.rx.on_handoff(PEER, handoff("small", n_tokens=10, pages=(1,)))  # FCFS: waits behind it
+    for _ in range(3):
+        rig.clock.advance(1.0)
+        assert rig.rx.progress() == []
+    assert rig.backend.reads == [] and rig.to_peer[1:] == [] and rig.rx.num_handoffs == 2
+    rig.engine.room = 4
+    rig.backend.auto = True
+    assert [c.request_id for c in rig.rx.progress()] == ["big", "small"]
+    assert rig.answers("big") == [Pulled("big")] and rig.answers("small") == [Pulled("small")]
+
+
+def test_no_room_until_the_deadline_fails_without_reading():
+    rig = Rig(room=0)
+    rig.hello()
+    rig.rx.on_handoff(PEER, handoff())
+    rig.clock.advance(DEADLINE_S + 0.01)
+    rig.rx.progress()
+    [ans] = rig.answers("r1")
+    assert isinstance(ans, PullFailed)
+    [err] = rig.errors()
+    assert err.status == 503 and "no room" in err.message
+    assert rig.backend.reads == [] and rig.rx.num_handoffs == 0
+
+
+def test_abort_while_queued_answers_pull_failed_and_tells_the_router_nothing():
+    rig = Rig(room=0)
+    rig.hello()
+    rig.rx.on_handoff(PEER, handoff())
+    assert rig.rx.on_abort("r1")
+    assert rig.answers("r1") == [PullFailed("r1", "aborted")] and rig.errors() == []
+    rig.engine.room = 64
+    rig.rx.progress()
+    assert rig.backend.reads == [] and rig.engine.reserved == []
+
+
+def test_abort_while_pulling_waits_for_the_read_then_frees_pages():
+    rig = Rig()
+    rig.hello()
+    rig.rx.on_handoff(PEER, handoff())
+    rig.rx.progress()
+    assert rig.rx.on_abort("r1") and rig.engine.reserved  # the read is still running into them
+    assert rig.rx.progress() == [] and rig.answers("r1") == []
+    rig.backend.complete()
+    assert rig.rx.progress() == []
+    assert rig.answers("r1") == [Pulled("r1")] and rig.engine.reserved == [] and rig.engine.committed == []
+    assert rig.errors() == []
+
+
+def test_abort_that_overtakes_its_handoff_refuses_it_on_arrival():
+    rig = Rig()
+    rig.hello()
+    assert not rig.rx.on_abort("r1")  # not here yet: remembered
+    rig.rx.on_handoff(PEER, handoff())
+    [ans] = rig.answers("r1")
+    assert isinstance(ans, PullFailed) and "aborted" in ans.reason
+    rig.rx.progress()
+    assert rig.backend.reads == [] and rig.errors() == []
+
+
+def test_failed_read_frees_pages_and_fails_the_request_once():
+    rig = Rig()
+    rig.hello()
+    rig.rx.on_handoff(PEER, handoff())
+    rig.rx.progress()
+    rig.backend.complete(ok=False)
+    assert rig.rx.progress() == []
+    [ans] = rig.answers("r1")
+    assert isinstance(ans, PullFailed)
+    [err] = rig.errors()
+    assert err.status == 500 and "prefill-0" in err.message
+    assert rig.engine.reserved == [] and rig.engine.committed == []
+
+
+def test_prefill_rank_leaving_fails_its_queued_and_pulling_handoffs():
+    rig = Rig(room=3)
+    rig.hello()
+    rig.rx.on_handoff(PEER, handoff("pulling"))
+    rig.rx.progress()
+    rig.rx.on_handoff(PEER, handoff("queued"))
+    rig.rx.on_live_prefill({"prefill-7"})  # prefill-0 is gone from the router's Peers
+    assert rig.backend.removed == ["prefill-0"]
+    rig.rx.progress()
+    assert sorted(e.request_id for e in rig.errors()) == ["pulling", "queued"]
+    assert all(e.status == 500 for e in rig.errors())
+    assert rig.engine.reserved == [] and rig.rx.num_handoffs == 0
+    rig.rx.on_handoff(PEER, handoff("late"))  # from a peer no longer known
+    assert isinstance(rig.answers("late")[0], PullFailed) and rig.errors()[-1].request_id == "late"
+
+
+@pytest.mark.parametrize("case", ["version", "kind", "backend"])
+def test_refused_peer_hello_and_handoffs_from_it(case):
+    rig = Rig()
+    if case == "backend":
+        rig.backend.refuse = "not this backend's metadata"
+    rig.hello(version=PROTOCOL_VERSION + (case == "version"), kind="nixl" if case == "kind" else "shm")
+    [(dest, reject)] = rig.to_peer
+    assert dest == PEER and isinstance(reject, PeerReject)
+    assert {"version": "version", "kind": "--transfer", "backend": "not this backend"}[case] in reject.reason
+    rig.rx.on_handoff(PEER, handoff())
+    assert isinstance(rig.answers("r1")[0], PullFailed) and rig.errors()[0].status == 500
+
+
+def test_handoff_with_the_wrong_page_count_is_refused():
+    rig = Rig()
+    rig.hello()
+    rig.rx.on_handoff(PEER, handoff(pages=(1, 2)))  # 40 tokens need 3 pages of 16
+    assert isinstance(rig.answers("r1")[0], PullFailed) and "layout" in rig.errors()[0].message
