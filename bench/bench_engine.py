@@ -29,13 +29,13 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, min(vocab, 30000), (n, length), generator=g).tolist()
 
 
-def run_engine(model: str, dtype: str, new_tokens: int, reps: int) -> dict:
+def run_engine(model: str, dtype: str, new_tokens: int, reps: int, device: str = "cpu") -> dict:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_gb=2.0, max_num_seqs=64,
-                                 max_num_batched_tokens=2048))
+    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_gb=1.0, max_num_seqs=64,
+                                 max_num_batched_tokens=2048, device=device))
     vocab = eng.model_cfg.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     res: dict = {}
@@ -68,22 +68,24 @@ def run_engine(model: str, dtype: str, new_tokens: int, reps: int) -> dict:
     return res
 
 
-def run_hf(model: str, dtype: str, new_tokens: int, reps: int) -> dict:
+def run_hf(model: str, dtype: str, new_tokens: int, reps: int, device: str = "cpu") -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     from engine.model_cache import cached_model_dir
 
     tdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    hf = AutoModelForCausalLM.from_pretrained(str(cached_model_dir(model)), dtype=tdtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(cached_model_dir(model)), dtype=tdtype).eval().to(device)
     vocab = hf.config.vocab_size
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
     def gen(prompts, n):
-        x = torch.tensor(prompts)
+        x = torch.tensor(prompts, device=device)
         t = time.perf_counter()
         with torch.inference_mode():
             hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, **kw)
+        if device != "cpu":
+            torch.cuda.synchronize()
         return time.perf_counter() - t
 
     res: dict = {}
@@ -105,7 +107,7 @@ def run_hf(model: str, dtype: str, new_tokens: int, reps: int) -> dict:
 
 def _child(side: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", side, "--models", args.models[0], "--dtype", args.dtype,
-           "--new-tokens", str(args.new_tokens), "--reps", str(args.reps)]
+           "--new-tokens", str(args.new_tokens), "--reps", str(args.reps), "--device", args.device]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -134,11 +136,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--child", choices=["engine", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         fn = run_engine if args.child == "engine" else run_hf
-        print(json.dumps(fn(args.models[0], args.dtype, args.new_tokens, args.reps)))
+        print(json.dumps(fn(args.models[0], args.dtype, args.new_tokens, args.reps, args.device)))
         return
     for model in args.models:
         sub = argparse.Namespace(**{**vars(args), "models": [model]})

@@ -1,0 +1,64 @@
+"""Model/engine configuration: clear errors for what the runner cannot honour."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine.config import EngineConfig, ModelConfig, add_cli_args, from_cli_args
+from engine.model_cache import cached_model_dir
+
+BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ValueError, match="FalconForCausalLM"):
+        ModelConfig.from_hf_dict({**BASE, "architectures": ["FalconForCausalLM"]})
+
+
+def test_unhonourable_config_is_named():
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        ModelConfig.from_hf_dict({**BASE, "final_logit_softcapping": 30.0})
+    with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
+        ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="activation"):
+        ModelConfig.from_hf_dict({**BASE, "hidden_act": "relu"})
+
+
+def test_rope_forms_of_both_transformers_generations():
+    old = ModelConfig.from_hf_dict({**BASE, "rope_theta": 5e5, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}})
+    new = ModelConfig.from_hf_dict({**BASE, "rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "rope_theta": 5e5}})
+    assert old.rope == new.rope and old.rope["full_attention"].theta == 5e5
+
+
+def test_qwen2_always_has_qkv_bias_and_gemma_layer_pattern():
+    q = ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen2ForCausalLM"], "attention_bias": None})
+    assert q.qkv_bias
+    g = ModelConfig.from_hf_dict({**BASE, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 12,
+                                  "sliding_window": 512, "query_pre_attn_scalar": 256})
+    assert g.full_layers == (5, 11) and len(g.swa_layers) == 10
+
+
+def test_missing_model_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither"):
+        cached_model_dir(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        cached_model_dir(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        cached_model_dir(str(tmp_path))
+
+
+def test_engine_config_validation_and_cli_roundtrip():
+    with pytest.raises(ValueError, match="page_size"):
+        EngineConfig(page_size=12)
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int8")
+    assert EngineConfig(dtype="fp32").dtype == "float32"
+    ap = argparse.ArgumentParser()
+    add_cli_args(ap, EngineConfig)
+    cfg = from_cli_args(ap.parse_args(["--page-size", "32", "--max-num-seqs", "7"]), EngineConfig)
+    assert cfg.page_size == 32 and cfg.max_num_seqs == 7
