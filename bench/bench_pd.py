@@ -9,8 +9,9 @@ and the colocated rank compute at the same speed), send one streamed request at 
 a random prompt of each length (no prefix reuse), and report per length:
   * TTFT p50 as the client sees it, and the ITL (mean gap between later tokens);
   * the router's per-request phase breakdown (`--log-requests` lines, rank wall clocks):
-    queue, prefill, then PD only: stage (KV into the handoff pool), admission_wait (Handoff
-    sent -> read start), transfer (the read), first_decode (read done -> first decode token);
+    queue, prefill (PD: includes copying the KV into the handoff pool), then PD only: stage
+    (first token sent -> Handoff sent), admission_wait (Handoff sent -> read start), transfer
+    (the read), first_decode (read done -> first decode token);
   * PD - colocated TTFT next to the transfer-side phases (goal: at most those plus 5 ms).
 Not a test: prints a table. Each system is stopped before the next starts (2-core machine).
 """
@@ -153,16 +154,18 @@ def main() -> None:
     def ms(v):
         return "-" if v is None else f"{v:.1f}"
 
-    cols = ("ttft", "itl", *PHASES)
     print(f"\nmodel {args.model}, {args.max_tokens} output tokens, 1 torch thread per rank, "
-          f"median of {args.repeats}; times in ms (phases from rank clocks)")
-    print(f"{'prompt':>6} {'system':<14}" + "".join(f"{c:>14}" for c in cols) + f"{'PD-colo TTFT':>14}")
+          f"median of {args.repeats}; ms. ttft-prefill: what the client waits beyond the rank's prefill "
+          "(HTTP, queue, staging); PD sends the first token before the transfer starts")
+    cols = ("ttft", "prefill", "ttft-prefill", "itl", "queue", "stage", "admission_wait", "transfer", "first_decode")
+    print(f"{'prompt':>6}  {'system':<12}" + "".join(f"{c:>15}" for c in cols) + f"{'PD-colo TTFT':>15}")
     for n in args.lens:
         base = systems["colocated"][n]["ttft"]
         for name, table in systems.items():
-            row = table[n]
+            row = dict(table[n])
+            row["ttft-prefill"] = row["ttft"] - row["prefill"] if row["prefill"] is not None else None
             delta = "" if name == "colocated" else f"{row['ttft'] - base:+.1f}"
-            print(f"{n:>6} {name:<14}" + "".join(f"{ms(row[c]):>14}" for c in cols) + f"{delta:>14}")
+            print(f"{n:>6}  {name:<12}" + "".join(f"{ms(row.get(c)):>15}" for c in cols) + f"{delta:>15}")
     print(f"\nlogs: {tmp}")
 
 

@@ -325,6 +325,9 @@ class LLMEngine:
     def stats(self) -> dict:
         out = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                "pages_used": self.pool.used_pages, "pages_total": self.pool.num_pages,
+               # What still fits: tokens of KV, and sequences (bounded by slots and max_num_seqs).
+               "tokens_free": self.pool.free_pages * self.pool.page_size,
+               "seqs_free": self.cfg.max_num_seqs - len(self.scheduler.running),
                "swa_slots_free": self.pool.free_slots}
         if self.hicache is not None:
             out["hicache"] = self.hicache.stats()

@@ -35,7 +35,7 @@ import zmq.asyncio
 
 from pd_server.config import RouterConfig
 from pd_server.errors import APIError
-from pd_server.metrics import RouterMetrics
+from pd_server.metrics import RouterMetrics, phase_durations
 from pd_server.protocol.codec import Codec
 from pd_server.protocol.rank_router import Goodbye, Hello, RankStats, RequestError, TokenBatch, TokenEvent
 from pd_server.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown
@@ -288,7 +288,8 @@ class Dispatcher:
         m = self.metrics
         m.e2e.observe(now - p.arrival)
         if self.cfg.log_requests:
-            log.info("%s done on %s: %s, %d+%d tokens (%d cached), %.3fs", ev.request_id, p.rank.name,
+            log.info("%s done on %s: %s, %d+%d tokens (%d cached), %.3fs", ev.request_id,
+                     "+".join(r.name for r in p.ranks()),
                      ev.finish_reason, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, now - p.arrival)
         m.prompt_tokens.inc(ev.prompt_tokens)
         m.cached_tokens.inc(ev.cached_tokens)
@@ -373,21 +374,3 @@ class Dispatcher:
         self._send(rank, p.msg)
         return True
 
-
-def phase_durations(sent_at: float, t) -> dict[str, float]:
-    """Seconds per phase of one finished request from its PhaseTimes (rank wall clocks).
-
-    Colocated: queue, prefill_wait, prefill, decode. PD adds, between prefill and decode:
-    stage (KV into the handoff pool), admission_wait (Handoff sent to read start on the decode
-    rank: network plus waiting for room), transfer (the read), first_decode (read done to the
-    decode rank's first token); decode then runs from that token to the end.
-    """
-    start = t.prefill_start or t.arrived
-    out = {"queue": t.arrived - sent_at, "prefill_wait": start - t.arrived, "prefill": t.first_token - start}
-    if t.handoff_sent:
-        out.update(stage=t.handoff_sent - t.first_token, admission_wait=t.pull_start - t.handoff_sent,
-                   transfer=t.pull_end - t.pull_start, first_decode=t.first_decode - t.pull_end,
-                   decode=t.finished - t.first_decode)
-    else:
-        out["decode"] = t.finished - t.first_token
-    return {k: max(0.0, v) for k, v in out.items()}

@@ -112,11 +112,12 @@ def spawn_ranks(engine_cfg, launch: LaunchConfig, router_addr: str, registry,
 
 
 def reap(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """Wait for ranks to exit; SIGTERM then SIGKILL the ones that do not."""
+    """Wait for ranks to exit; SIGTERM then SIGKILL the ones that do not; then remove the
+    shared-memory files of ranks that could not (killed ranks leave them behind)."""
     for sig, wait in ((None, grace_s), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
         alive = [p for p in procs if p.poll() is None]
         if not alive:
-            return
+            break
         for p in alive:
             if sig is not None:
                 p.send_signal(sig)
@@ -125,6 +126,21 @@ def reap(procs: list[subprocess.Popen], grace_s: float) -> None:
                 p.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 pass
+    remove_rank_shm([p.pid for p in procs if p.poll() is not None])
+
+
+def remove_rank_shm(pids: list[int], shm_dir: Path = Path("/dev/shm")) -> list[Path]:
+    """Unlink the files a rank names with its pid (handoff pools `pdserve-handoff-<rank>-<pid>-*`,
+    default host caches `pdserve-hicache-<pid>-*`) for ranks that exited. Returns what it removed."""
+    removed = []
+    for pid in pids:
+        for pattern in (f"pdserve-handoff-*-{pid}-*", f"pdserve-hicache-{pid}-*"):
+            for f in shm_dir.glob(pattern):
+                f.unlink(missing_ok=True)
+                removed.append(f)
+    if removed:
+        log.info("removed %d shared-memory file(s) left by exited ranks", len(removed))
+    return removed
 
 
 async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, model_name: str,

@@ -31,7 +31,7 @@ class RouterMetrics:
         self.phase = Histogram("pdserve_phase_seconds", "per-phase time of a request on its ranks (queue: router "
                                "send to rank arrival; prefill_wait: to its first prefill chunk; prefill: to first "
                                "token; PD only: stage, admission_wait, transfer, first_decode; decode: to finish; "
-                               "see dispatcher.phase_durations)", ["phase"], buckets=_LAT, registry=r)
+                               "see phase_durations)", ["phase"], buckets=_LAT, registry=r)
         self.rank_queue = Gauge("pdserve_rank_queue_depth", "waiting sequences on a rank", ["rank"], registry=r)
         self.rank_running = Gauge("pdserve_rank_running", "running sequences on a rank", ["rank"], registry=r)
         self.rank_pages = Gauge("pdserve_rank_kv_pages_used", "KV pages in use on a rank", ["rank"], registry=r)
@@ -56,3 +56,24 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def phase_durations(sent_at: float, t) -> dict[str, float]:
+    """Seconds per phase of one finished request from its PhaseTimes (rank wall clocks).
+
+    Colocated: queue, prefill_wait, prefill, decode. PD adds, between prefill and decode:
+    stage (first token sent to Handoff sent; the copy into the handoff pool runs inside the
+    step that samples the first token, so it counts in prefill), admission_wait (Handoff sent
+    to read start on the decode rank: network plus waiting for room), transfer (the read),
+    first_decode (read done to the decode rank's first token); decode then runs from that
+    token to the end.
+    """
+    start = t.prefill_start or t.arrived
+    out = {"queue": t.arrived - sent_at, "prefill_wait": start - t.arrived, "prefill": t.first_token - start}
+    if t.handoff_sent:
+        out.update(stage=t.handoff_sent - t.first_token, admission_wait=t.pull_start - t.handoff_sent,
+                   transfer=t.pull_end - t.pull_start, first_decode=t.first_decode - t.pull_end,
+                   decode=t.finished - t.first_decode)
+    else:
+        out["decode"] = t.finished - t.first_token
+    return {k: max(0.0, v) for k, v in out.items()}

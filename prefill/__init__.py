@@ -1,8 +1,9 @@
 """Prefill ranks (PD mode): run prompts, hand their KV pages to a decode rank.
 
-Arrives with the prefill/decode issue. A prefill rank speaks the same router link as every
-rank (pd_server/protocol/: Hello with role "prefill", Generate carrying decode_rank), runs
-the engine with add_request(prefill_only=True), and sends the KVExport's page descriptors
-to the decode rank over the prefill<->decode link (pd_server/protocol/prefill_decode.py).
-Until then, colocated ranks (decode/rank.py --role colocated) serve every request.
+    rank.py            the engine thread's PrefillLoop and `python -m prefill.rank` (life cycle there)
+    handoff_sender.py  the handoff pool (shared memory, registered with the transfer backend):
+                       reserve -> stage -> hand off -> release exactly once (Pulled, PullFailed, lease)
+A prefill rank reuses the decode package's router link (decode/rank_link.py), peer sockets
+(decode/peer_link.py) and RankLoop; its messages to decode ranks are in
+pd_server/protocol/prefill_decode.py.
 """

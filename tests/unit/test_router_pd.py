@@ -1,0 +1,143 @@
+"""The router's PD mode without sockets: decode-rank choice, first token and decode tokens put
+in order, abort and failure reaching both ranks, Peers on joins and deaths, phase durations."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pd_server.config import RouterConfig
+from pd_server.dispatcher import Dispatcher, Failure
+from pd_server.errors import APIError
+from pd_server.metrics import RouterMetrics, phase_durations
+from pd_server.protocol import PROTOCOL_VERSION
+from pd_server.protocol.rank_router import Hello, PhaseTimes, RankStats, RequestError, TokenBatch, TokenEvent
+from pd_server.protocol.router_rank import Abort, Generate, Peers, Sampling
+from pd_server.ranks import RankRegistry
+from pd_server.routing import RouteRequest, make_policy, pick_decode_rank
+
+MODEL = "m"
+REQ = RouteRequest([1, 2, 3], 1)
+
+
+def hello(role: str, index: int) -> Hello:
+    addr = f"tcp://127.0.0.3:{4000 + index}" if role == "decode" else ""
+    return Hello(PROTOCOL_VERSION, role, index, 100 + index, MODEL, 4096, 1000, 16, 64, addr)
+
+
+class Recorder(Dispatcher):
+    """A dispatcher whose sends are recorded instead of going to a socket."""
+
+    def __init__(self) -> None:
+        super().__init__(RouterConfig(), RankRegistry(MODEL), make_policy("least-loaded"), RouterMetrics())
+        self.sent: list[tuple[str, object]] = []
+
+    def _send(self, rank, msg) -> None:
+        self.sent.append((rank.name, msg))
+
+    def _reply(self, identity, msg) -> None:
+        self.sent.append((identity.decode(), msg))
+
+    def join(self, role: str, index: int) -> None:
+        self._on_frame(f"{role}-{index}".encode(), self._codec.encode(hello(role, index)))
+
+    def frame(self, rank: str, msg) -> None:
+        self._on_frame(rank.encode(), self._codec.encode(msg))
+
+    def take(self) -> list[tuple[str, object]]:
+        out, self.sent = self.sent, []
+        return out
+
+
+@pytest.fixture
+def disp():
+    loop = asyncio.new_event_loop()  # Handle queues are asyncio.Queues
+    asyncio.set_event_loop(loop)
+    d = Recorder()
+    for role, i in (("prefill", 0), ("decode", 0), ("decode", 1)):
+        d.join(role, i)
+    yield d
+    d._sock.close(linger=0)
+    d._ctx.term()
+    asyncio.set_event_loop(None)
+    loop.close()
+
+
+def sampling() -> list:
+    return [([1, 2, 3], Sampling(max_tokens=4, temperature=0.0))]
+
+
+def test_peers_go_to_every_pd_rank_on_each_join(disp):
+    peers = [(to, m) for to, m in disp.take() if isinstance(m, Peers)]
+    last = [m for to, m in peers if to == "prefill-0"][-1]
+    assert [(p.name, p.addr) for p in last.peers] == \
+        [("prefill-0", ""), ("decode-0", "tcp://127.0.0.3:4000"), ("decode-1", "tcp://127.0.0.3:4001")]
+    assert {to for to, _ in peers[-3:]} == {"prefill-0", "decode-0", "decode-1"}
+
+
+def test_decode_rank_by_inflight_then_pages(disp):
+    reg = disp.registry
+    d0, d1 = reg.live("decode")
+    d0.inflight = {"x"}
+    assert pick_decode_rank(reg, REQ, 8) is d1
+    d1.inflight = {"y"}
+    d0.stats = RankStats(running=1, waiting=0, pages_used=30, pages_total=64, swa_slots_free=0, steps=0)
+    d1.stats = RankStats(running=3, waiting=0, pages_used=10, pages_total=64, swa_slots_free=0, steps=0)
+    assert pick_decode_rank(reg, REQ, 8) is d1
+    d1.inflight = set(range(8))
+    assert pick_decode_rank(reg, REQ, 8) is d0
+    d0.inflight = set(range(8))
+    with pytest.raises(APIError) as e:
+        pick_decode_rank(reg, REQ, 8)
+    assert e.value.status == 429
+
+
+def test_generate_names_the_decode_rank_and_tokens_arrive_in_order(disp):
+    disp.take()
+    h = disp.submit("req", sampling(), REQ, 0.0)
+    [(to, gen)] = disp.take()
+    assert to == "prefill-0" and isinstance(gen, Generate) and gen.decode_rank == h.decode.index
+    sid = h.sub_ids[0]
+    assert sid in h.rank.inflight and sid in h.decode.inflight
+    # The decode rank's second token overtakes the prefill rank's first.
+    disp.frame(h.decode.name, TokenBatch([TokenEvent(sid, [12], "b", completion_tokens=2)], 0.0))
+    assert h.queue.empty()
+    disp.frame("prefill-0", TokenBatch([TokenEvent(sid, [11], "a", completion_tokens=1)], 0.0))
+    got = [h.queue.get_nowait()[1].token_ids for _ in range(2)]
+    assert got == [[11], [12]]
+    assert sid not in h.rank.inflight and sid in h.decode.inflight  # the prefill rank is done with it
+    disp.frame(h.decode.name, TokenBatch([TokenEvent(sid, [13], "c", "length", completion_tokens=3)], 0.0))
+    assert h.queue.get_nowait()[1].finish_reason == "length" and not h.decode.inflight
+
+
+def test_abort_and_failure_reach_both_ranks(disp):
+    h = disp.submit("a", sampling(), REQ, 0.0)
+    disp.take()
+    h.close()
+    assert sorted((to, m) for to, m in disp.take()) == \
+        sorted([("prefill-0", Abort(h.sub_ids[0])), (h.decode.name, Abort(h.sub_ids[0]))])
+    h = disp.submit("b", sampling(), REQ, 0.0)
+    disp.take()
+    disp.frame("prefill-0", RequestError(h.sub_ids[0], 504, "lease"))
+    assert isinstance(h.queue.get_nowait()[1], Failure)
+    assert (h.decode.name, Abort(h.sub_ids[0])) in disp.take()
+
+
+def test_dead_decode_rank_fails_its_requests_without_retry_and_updates_peers(disp):
+    h = disp.submit("a", sampling(), REQ, 0.0)
+    disp.take()
+    disp._rank_died(h.decode, "exited")
+    _, failure = h.queue.get_nowait()
+    assert isinstance(failure, Failure) and failure.status == 500 and h.decode.name in failure.message
+    sent = disp.take()
+    assert ("prefill-0", Abort(h.sub_ids[0])) in sent
+    peers = [m for to, m in sent if to == "prefill-0" and isinstance(m, Peers)]
+    assert peers and h.decode.name not in [p.name for p in peers[-1].peers]
+
+
+def test_phase_durations_pd_and_colocated():
+    pd = phase_durations(0.5, PhaseTimes(1.0, 2.0, 9.0, 1.5, 2.1, 2.5, 2.6, 2.8))
+    assert pd == pytest.approx({"queue": 0.5, "prefill_wait": 0.5, "prefill": 0.5, "stage": 0.1,
+                                "admission_wait": 0.4, "transfer": 0.1, "first_decode": 0.2, "decode": 6.2})
+    assert phase_durations(0.5, PhaseTimes(1.0, 2.0, 3.0)) == \
+        pytest.approx({"queue": 0.5, "prefill_wait": 0.0, "prefill": 1.0, "decode": 1.0})
