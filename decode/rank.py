@@ -7,7 +7,9 @@ Request life cycle on a colocated rank:
   2. The engine thread admits it: SamplingParams from the message, engine.add_request().
      Invalid input (ValueError) goes back at once as RequestError(400); nothing is queued.
   3. engine.step() runs the running batch (chunked prefill, continuous batching); every
-     output of the step becomes one TokenEvent, and the step's events one TokenBatch.
+     output of the step becomes one TokenEvent, and the step's events one TokenBatch. Host
+     cache pages the step stored or evicted go to the router first, as one CacheEvents (for
+     cache-aware routing; ranks that prefill, with a host cache).
   4. The last event of a request carries finish_reason, usage and PhaseTimes; the engine
      has freed the request's pages and SWA slot by then.
   5. Abort (client gone) calls engine.abort(): idempotent, frees pages at once, sends nothing.
@@ -38,8 +40,8 @@ from decode.rank_link import RankLink
 from pd_server.cli_args import add_dataclass_args, from_args
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.prefill_decode import PAGES_REGION, STATES_REGION, Handoff, PeerHello
-from pd_server.protocol.rank_router import (Hello, PhaseTimes, RankStats, RequestError, TokenBatch,
-                                            TokenEvent, TokenLogprob)
+from pd_server.protocol.rank_router import (CacheEvents, CacheUpdate, Hello, PhaseTimes, RankStats, RequestError,
+                                            TokenBatch, TokenEvent, TokenLogprob)
 from pd_server.protocol.router_rank import Abort, Generate, Peers
 
 log = logging.getLogger("decode.rank")
@@ -54,8 +56,13 @@ class RankLoop:
     Roles extend it through `_on_message`, `_progress`, `_wait_s`, `_times` and `_extra_stats`.
     """
 
+    ships_cache_events = True  # the router routes prompts here by what this host cache holds
+
     def __init__(self, engine) -> None:
         self.engine = engine
+        self._cache = getattr(engine, "hicache", None) if self.ships_cache_events else None
+        if self._cache is not None:
+            self._cache.record_events = True
         self.link: RankLink | None = None
         self.steps = 0
         self._arrived: dict[str, float] = {}  # request id -> rank wall clock at arrival
@@ -98,6 +105,7 @@ class RankLoop:
             self._fail_all(f"engine failure on this rank: {type(e).__name__}: {e}")
             return
         self.steps += 1
+        self._ship_cache_events()  # before the tokens: a client's next turn finds the index current
         self._on_outputs(outs)
         self._stats = self._snapshot()
 
@@ -107,6 +115,12 @@ class RankLoop:
 
     def _progress(self) -> None:
         """Role work between steps (transfers, leases, held-back admissions)."""
+
+    def _ship_cache_events(self) -> None:
+        if self._cache is not None:
+            events = self._cache.drain_events()
+            if events:
+                self.link.send(CacheEvents([CacheUpdate(e.kind, list(e.keys)) for e in events]))
 
     def _on_outputs(self, outs) -> None:
         if outs:
@@ -182,6 +196,8 @@ class RankLoop:
 class DecodeLoop(RankLoop):
     """Decode-only: requests arrive as Handoffs, their KV pulled by a HandoffReceiver."""
 
+    ships_cache_events = False  # never routed by prompt
+
     def __init__(self, engine, backend, name: str, deadline_s: float) -> None:
         from decode.handoff_receiver import HandoffReceiver
 
@@ -248,15 +264,18 @@ def make_transfer(handoff: HandoffConfig, cfg: RankConfig):
     """The rank's transfer backend (the choice is logged by make_backend)."""
     from hicache.transfer import make_backend
 
-    return make_backend(handoff.transfer, f"{cfg.name}-{os.getpid()}")
+    # Only prefill ranks serve reads. NOTE: a NIXL progress thread on the reading side
+    # spins on the UCX lock the copy holds and halves large reads (hicache/transfer).
+    return make_backend(handoff.transfer, f"{cfg.name}-{os.getpid()}", serves_peers=cfg.role == "prefill")
 
 
 def hello_for(cfg: RankConfig, engine_cfg, engine, peer_addr: str = "") -> Hello:
     from engine.model_cache import served_name
 
+    hc = engine.hicache if cfg.role != "decode" else None
     return Hello(PROTOCOL_VERSION, cfg.role, cfg.index, os.getpid(), served_name(engine_cfg.model),
                  engine.max_model_len, engine.model_cfg.vocab_size, engine_cfg.page_size, engine.pool.num_pages,
-                 peer_addr)
+                 peer_addr, hc.index.root if hc else b"", hc.has_swa if hc else False)
 
 
 def parse_rank_args(argv, description: str, default_role: str):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pd_server.cli_args import opt
 
-RoutingPolicyName = Literal["least-loaded", "round-robin"]
+RoutingPolicyName = Literal["cache-aware", "affinity", "least-loaded", "round-robin"]
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,8 @@ class RouterConfig:
     port: int = opt(8000, "HTTP port")
     served_model_name: str = opt("", "model id in /v1/models and requests (default: the model's short name)")
     rank_addr: str = opt("tcp://127.0.0.1:*", "ZeroMQ address the rank socket binds (* picks a free port)")
-    routing_policy: RoutingPolicyName = opt("least-loaded", "how a request picks its rank")
+    routing_policy: RoutingPolicyName = opt(
+        "cache-aware", "how a request picks its (prefill or colocated) rank; pd_server/routing.py describes each")
     max_inflight_per_rank: int = opt(256, "requests one rank may hold (running + queued); past it: 429")
     heartbeat_interval_s: float = opt(0.5, "router pings and rank stats cadence")
     rank_timeout_s: float = opt(3.0, "a rank silent this long is marked dead")

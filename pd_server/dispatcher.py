@@ -37,10 +37,11 @@ from pd_server.config import RouterConfig
 from pd_server.errors import APIError
 from pd_server.metrics import RouterMetrics, phase_durations
 from pd_server.protocol.codec import Codec
-from pd_server.protocol.rank_router import Goodbye, Hello, RankStats, RequestError, TokenBatch, TokenEvent
+from pd_server.protocol.rank_router import (CacheEvents, Goodbye, Hello, RankStats, RequestError, TokenBatch,
+                                            TokenEvent)
 from pd_server.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown
 from pd_server.ranks import DEAD, PD_ROLES, Rank, RankRegistry, version_mismatch
-from pd_server.routing import RouteRequest, RoutingPolicy, pick_decode_rank, pick_rank
+from pd_server.routing import RouteRequest, RoutingPolicy, expected_hit_tokens, pick_decode_rank, pick_rank
 
 log = logging.getLogger("pd_server.dispatcher")
 
@@ -168,8 +169,9 @@ class Dispatcher:
         if decode is not None:
             decode.routed += 1
         if self.cfg.log_requests:
-            log.info("%s -> %s (%d sequence(s), %d prompt tokens)", request_id,
-                     "+".join(r.name for r in (rank, decode) if r), len(work), len(work[0][0]))
+            log.info("%s -> %s by %s (%d sequence(s), %d prompt tokens, expected hit %d tokens)", request_id,
+                     "+".join(r.name for r in (rank, decode) if r), self.policy.name, len(work), len(work[0][0]),
+                     expected_hit_tokens(rank, work[0][0]))
         return handle
 
     def abort(self, sub_id: str) -> None:
@@ -242,6 +244,9 @@ class Dispatcher:
             self._on_tokens(msg.events)
         elif isinstance(msg, RankStats):
             self._on_stats(rank, msg)
+        elif isinstance(msg, CacheEvents):
+            if rank.cache is not None:
+                rank.cache.apply(msg.updates)
         elif isinstance(msg, RequestError):
             self._fail(msg.request_id, Failure(msg.status, msg.message))
         elif isinstance(msg, Goodbye):

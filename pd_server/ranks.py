@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass, field
 
+from pd_server.cache_index import RankCacheIndex
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.rank_router import Hello, RankStats
 from pd_server.protocol.router_rank import Reject, Welcome
@@ -34,6 +35,7 @@ class Rank:
     dead_reason: str = ""
     process: subprocess.Popen | None = field(default=None, repr=False)  # when the launcher started it
     routed: int = 0  # requests sent to it, ever
+    cache: RankCacheIndex | None = None  # what its host cache holds (ranks that prefill, with one)
 
     @property
     def name(self) -> str:
@@ -52,6 +54,7 @@ class Rank:
             "running": s.running if s else 0, "waiting": s.waiting if s else 0,
             "pages_used": s.pages_used if s else 0, "pages_total": s.pages_total if s else 0,
             "handoffs": s.handoffs if s else 0, "handoff_pages_used": s.handoff_pages_used if s else 0,
+            "host_cache_pages": len(self.cache.pages) if self.cache else None,  # as the router's index has it
             "last_seen_s": round(now - self.last_seen, 3) if self.last_seen else None,
             **({"error": self.dead_reason} if self.dead_reason else {}),
         }
@@ -87,6 +90,8 @@ class RankRegistry:
         if rank is None:
             rank = self.ranks[name] = Rank(hello.role, hello.index)
         rank.pid, rank.identity, rank.hello = hello.pid, identity, hello
+        if hello.cache_root and hello.role != "decode" and rank.cache is None:  # a repeated Hello keeps it
+            rank.cache = RankCacheIndex(hello.cache_root, hello.page_size, hello.cache_needs_state)
         rank.state, rank.last_seen = READY, now
         self._by_identity[identity] = rank
         return Welcome(PROTOCOL_VERSION, name, heartbeat_s)
@@ -95,10 +100,11 @@ class RankRegistry:
         return [r for r in self.ranks.values() if r.live and (role is None or r.role == role)]
 
     def mark_dead(self, rank: Rank, reason: str) -> set[str]:
-        """Declare a rank dead; returns the request ids it held (the caller fails them)."""
+        """Declare a rank dead (its cache index dropped); returns the request ids it held (the
+        caller fails them)."""
         if rank.state == DEAD:
             return set()
-        rank.state, rank.dead_reason = DEAD, reason
+        rank.state, rank.dead_reason, rank.cache = DEAD, reason, None
         lost, rank.inflight = rank.inflight, set()
         return lost
 

@@ -1,13 +1,20 @@
 """Which rank serves a request: pluggable policies over the live ranks.
 
 A policy sees only live ranks with room for the request (`pick_rank` filters dead and
-full ones first) and returns one. Policies keep their own state (a round-robin cursor;
-later a prefix index fed by the ranks' cache events for `cache-aware`, a hash ring for
-`affinity`), never the registry's.
+full ones first) and returns one. Policies keep their own state (a round-robin cursor),
+never the registry's; `cache-aware` reads each rank's prefix index (Rank.cache, fed by the
+rank's CacheEvents, see cache_index.py), which the registry keeps and drops with the rank.
+
+    cache-aware   (default) best expected host-cache hit balanced against load, see CacheAware
+    affinity      blake2b of the conversation's first user message, mod the ranks
+    least-loaded  fewest requests in flight, then queue depth and KV use
+    round-robin   in turn
 """
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pd_server.errors import APIError
@@ -37,12 +44,66 @@ class LeastLoaded(RoutingPolicy):
     name = "least-loaded"
 
     def choose(self, ranks: list[Rank], req: RouteRequest) -> Rank:
-        def load(r: Rank):
-            s = r.stats
-            pages = s.pages_used / s.pages_total if s and s.pages_total else 0.0
-            return (len(r.inflight), s.waiting if s else 0, pages, r.routed, r.index)
+        return min(ranks, key=_load)
 
-        return min(ranks, key=load)
+
+def _load(r: Rank):
+    s = r.stats
+    pages = s.pages_used / s.pages_total if s and s.pages_total else 0.0
+    return (len(r.inflight), s.waiting if s else 0, pages, r.routed, r.index)
+
+
+class CacheAware(RoutingPolicy):
+    """The rank with the best expected prefix hit, balanced against its load:
+
+        score(rank) = hit_tokens(rank) - load_tokens * inflight(rank)
+
+    hit_tokens: prompt tokens the rank's host cache would serve, as its prefix index says
+    (0 for a rank without a host cache); inflight: requests the router has in flight on it
+    (running or queued, exact). load_tokens (default 256) prices one request in flight in
+    prompt tokens: a rank one request busier wins only with a hit longer by more than that
+    (a shared 1,000-token prefix outweighs up to 3 requests of queue; one cached page never
+    outweighs a busier rank). Highest score wins; ties go to the least loaded (LeastLoaded's
+    order), so with no host caches anywhere this is least-loaded.
+    """
+
+    name = "cache-aware"
+
+    def __init__(self, load_tokens: int = 256) -> None:
+        self.load_tokens = load_tokens
+
+    def choose(self, ranks: list[Rank], req: RouteRequest) -> Rank:
+        keys: dict[tuple[bytes, int], list[bytes]] = {}  # ranks of one model share a namespace: hash once
+
+        def hit(r: Rank) -> int:
+            c = r.cache
+            if c is None:
+                return 0
+            ns = (c.root, c.page_size)
+            if ns not in keys:
+                keys[ns] = c.keys(req.prompt_ids)
+            return c.hit_tokens(keys[ns])
+
+        return min(ranks, key=lambda r: (self.load_tokens * len(r.inflight) - hit(r), *_load(r)))
+
+
+class Affinity(RoutingPolicy):
+    """Every turn of a conversation to the same rank: blake2b of its first user message mod
+    the ranks (by index). Stable across router restarts; moves when the ranks with room
+    change. Requests with no user message (completions) go to the least loaded."""
+
+    name = "affinity"
+
+    def choose(self, ranks: list[Rank], req: RouteRequest) -> Rank:
+        if not req.affinity_key:
+            return LeastLoaded().choose(ranks, req)
+        h = int.from_bytes(hashlib.blake2b(req.affinity_key.encode(), digest_size=8).digest(), "little")
+        return sorted(ranks, key=lambda r: r.index)[h % len(ranks)]
+
+
+def expected_hit_tokens(rank: Rank, prompt_ids: Sequence[int]) -> int:
+    """Prompt tokens `rank`'s host cache should serve, as the router's index has it (for logs)."""
+    return rank.cache.expected_hit_tokens(prompt_ids) if rank.cache else 0
 
 
 class RoundRobin(RoutingPolicy):
@@ -57,7 +118,7 @@ class RoundRobin(RoutingPolicy):
         return rank
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (LeastLoaded, RoundRobin)}
+POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (CacheAware, Affinity, LeastLoaded, RoundRobin)}
 
 
 def make_policy(name: str) -> RoutingPolicy:

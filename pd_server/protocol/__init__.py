@@ -1,7 +1,8 @@
 """Every message that crosses a process boundary in pdserve, one module per link.
 
     router_rank.py     router -> rank   (Welcome, Reject, Peers, Generate, Abort, Ping, Shutdown)
-    rank_router.py     rank -> router   (Hello, TokenBatch of TokenEvent, RankStats, RequestError, Goodbye)
+    rank_router.py     rank -> router   (Hello, TokenBatch of TokenEvent, RankStats, CacheEvents, RequestError,
+                                      Goodbye)
     prefill_decode.py  prefill <-> decode (PeerHello, Handoff; PeerWelcome, PeerReject, Pulled, PullFailed)
     codec.py           msgpack encoder and the typed decoder for each direction
 
@@ -23,8 +24,9 @@ from typing import Literal
 # router reads them from any Hello, even one it cannot otherwise decode, and refuses the
 # rank with a message naming both versions.
 # History: 2 added Hello.peer_addr, Peers, the PD PhaseTimes fields, RankStats handoff/transfer
-# counters and the prefill_decode.py link.
-PROTOCOL_VERSION = 2
+# counters and the prefill_decode.py link. 3 added Hello.cache_root/cache_needs_state and the
+# CacheEvents message (host-cache store/evict events for cache-aware routing).
+PROTOCOL_VERSION = 3
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")

@@ -6,11 +6,16 @@
      a token (or finished) in that step. The hot path: array_like.
   3. RankStats every heartbeat interval: load for routing, gauges for /metrics, and the
      router's proof that the rank lives.
-  4. RequestError: a request the rank refused (400: invalid for the engine) or lost
+  4. CacheEvents after an engine step that stored or evicted host-cache pages (ranks that
+     prefill, with a host cache): the router's per-rank prefix index (pd_server/cache_index.py)
+     follows them for `cache-aware` routing. In order, per rank; never before Welcome.
+  5. RequestError: a request the rank refused (400: invalid for the engine) or lost
      (500: the engine failed). The request is over on the rank.
-  5. Goodbye just before a clean exit.
+  6. Goodbye just before a clean exit.
 """
 from __future__ import annotations
+
+from typing import Literal
 
 import msgspec
 
@@ -26,6 +31,21 @@ class Hello(msgspec.Struct, frozen=True, array_like=True, tag="hello"):
     page_size: int
     pages_total: int
     peer_addr: str = ""  # decode ranks: where prefill ranks connect (prefill_decode.py); else ""
+    # Ranks that prefill with a host cache: the root of its page-key chain (hicache.index.namespace_key,
+    # 16 bytes; pages are `page_size` tokens), so the router computes the keys CacheEvents name. b"": none.
+    cache_root: bytes = b""
+    cache_needs_state: bool = False  # hybrid (SWA) model: a hit must end at a page holding a state
+
+
+class CacheUpdate(msgspec.Struct, frozen=True, array_like=True):
+    """One host-cache change (hicache.cache.CacheEvent): a state's key is its page's key."""
+
+    kind: Literal["page_stored", "page_evicted", "state_stored", "state_evicted"]
+    keys: list[bytes]  # page keys, each 16 bytes (hicache.index.page_keys)
+
+
+class CacheEvents(msgspec.Struct, frozen=True, array_like=True, tag="cache"):
+    updates: list[CacheUpdate]  # in the order the rank's cache made them
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -94,4 +114,4 @@ class Goodbye(msgspec.Struct, frozen=True, array_like=True, tag="goodbye"):
     reason: str
 
 
-RankToRouter = Hello | TokenBatch | RankStats | RequestError | Goodbye
+RankToRouter = Hello | TokenBatch | RankStats | CacheEvents | RequestError | Goodbye

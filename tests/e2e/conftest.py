@@ -2,7 +2,8 @@
 on a free 127.0.0.1 port, in its own process group, reaped whatever happens.
 
 `colocated_system`: 2 real colocated ranks on the embedded default model (num_threads=1,
-kv_cache_gb=0.25), one per test session. `fake_system`: 2 stand-in ranks (no model) with
+kv_cache_gb=0.25, the launcher's default host cache and cache-aware routing, --log-requests),
+one per test session. `fake_system`: 2 stand-in ranks (no model) with
 room for 2 requests each, for router behaviour that needs no tokens of substance.
 """
 from __future__ import annotations
@@ -118,7 +119,7 @@ def stop_system(system: System) -> None:
 def colocated_system(tmp_path_factory):
     system = start_system(tmp_path_factory.mktemp("colocated"),
                           ["--colocated", "2", "--model", MODEL, "--kv-cache-gb", "0.25", "--num-threads", "1",
-                           "--max-num-seqs", "16"], timeout=420)
+                           "--max-num-seqs", "16", "--log-requests"], timeout=420)
     try:
         yield system
     finally:

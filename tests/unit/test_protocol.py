@@ -8,8 +8,8 @@ from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.codec import Codec
 from pd_server.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes, Pulled,
                                                PullFailed)
-from pd_server.protocol.rank_router import (Goodbye, Hello, PhaseTimes, RankStats, RequestError, TokenBatch,
-                                            TokenEvent, TokenLogprob)
+from pd_server.protocol.rank_router import (CacheEvents, CacheUpdate, Goodbye, Hello, PhaseTimes, RankStats,
+                                            RequestError, TokenBatch, TokenEvent, TokenLogprob)
 from pd_server.protocol.router_rank import (Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown,
                                             Welcome)
 from pd_server.ranks import RankRegistry
@@ -36,6 +36,8 @@ TO_ROUTER = [
               host_cache_lookup_tokens=64, host_cache_hit_tokens=32, handoff_pages_used=5, handoffs=1,
               transfer_bytes=1 << 20, transfer_seconds=0.5),
     Hello(PROTOCOL_VERSION, "decode", 1, 99, "m", 8192, 49152, 16, 100, "tcp://127.0.0.3:4000"),
+    Hello(PROTOCOL_VERSION, "prefill", 0, 98, "m", 8192, 49152, 16, 100, "", b"\x01" * 16, True),
+    CacheEvents([CacheUpdate("page_stored", [b"a" * 16, b"\x00" * 16]), CacheUpdate("state_evicted", [b"b" * 16])]),
     RequestError("r-0", 400, "bad"),
     Goodbye("closing"),
 ]
@@ -146,3 +148,9 @@ def test_sampling_mirrors_engine_sampling_params():
     wire = set(Sampling.__struct_fields__)
     engine = {f.name for f in fields(SamplingParams)} - {"extra"}
     assert wire == engine, "Sampling and SamplingParams drifted apart (and bump PROTOCOL_VERSION)"
+
+
+def test_cache_update_kind_is_checked():
+    frame = msgspec.msgpack.encode(["cache", [["page_touched", [b"k" * 16]]]])
+    with pytest.raises(msgspec.ValidationError):
+        Codec().decode_from_rank(frame)

@@ -5,23 +5,29 @@ import pytest
 
 from pd_server.errors import APIError
 from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.rank_router import Hello, RankStats
+from hicache.index import namespace_key, page_keys
+from pd_server.protocol.rank_router import CacheUpdate, Hello, RankStats
 from pd_server.protocol.router_rank import Reject, Welcome
 from pd_server.ranks import DEAD, LOADING, READY, RankRegistry
-from pd_server.routing import LeastLoaded, RoundRobin, RouteRequest, make_policy, pick_rank
+from pd_server.routing import (Affinity, CacheAware, LeastLoaded, RoundRobin, RouteRequest, expected_hit_tokens,
+                               make_policy, pick_rank)
 
 MODEL = "m"
 REQ = RouteRequest([1, 2, 3], 1)
 
 
-def hello(index: int, role: str = "colocated", model: str = MODEL) -> Hello:
-    return Hello(PROTOCOL_VERSION, role, index, 100 + index, model, 4096, 1000, 16, 64)
+ROOT = namespace_key(MODEL, "bfloat16", 16)
 
 
-def registry(n: int) -> RankRegistry:
+def hello(index: int, role: str = "colocated", model: str = MODEL, cache_root: bytes = b"",
+          needs_state: bool = False) -> Hello:
+    return Hello(PROTOCOL_VERSION, role, index, 100 + index, model, 4096, 1000, 16, 64, "", cache_root, needs_state)
+
+
+def registry(n: int, cache_root: bytes = b"", role: str = "colocated") -> RankRegistry:
     reg = RankRegistry(MODEL)
     for i in range(n):
-        assert isinstance(reg.on_hello(b"r%d" % i, hello(i), 0.0, 0.5), Welcome)
+        assert isinstance(reg.on_hello(b"r%d" % i, hello(i, role, cache_root=cache_root), 0.0, 0.5), Welcome)
     return reg
 
 
@@ -131,3 +137,100 @@ def test_make_policy():
     assert make_policy("round-robin").name == "round-robin"
     with pytest.raises(ValueError):
         make_policy("random")
+
+
+# ---- cache-aware and affinity ---------------------------------------------------------------------
+PROMPT = list(range(1000, 1100))  # 100 tokens: 6 full pages of 16, all 6 hittable ((100 - 1) // 16)
+
+
+def stored(tokens, pages: int) -> CacheUpdate:
+    return CacheUpdate("page_stored", page_keys(tokens, 16, ROOT, pages))
+
+
+def test_index_follows_store_and_evict_events_with_the_longest_prefix_per_rank():
+    reg = registry(2, ROOT)
+    r0, r1 = reg.live()
+    r0.cache.apply([stored(PROMPT, 4)])
+    r1.cache.apply([stored(PROMPT, 2), stored(PROMPT[:16] + [7] * 80, 6)])  # shares page 1 only
+    assert [expected_hit_tokens(r, PROMPT) for r in (r0, r1)] == [64, 32]
+    tail = page_keys(PROMPT, 16, ROOT, 4)[2:]
+    r0.cache.apply([CacheUpdate("page_evicted", tail[::-1])])  # the rank evicts chain tails first
+    assert expected_hit_tokens(r0, PROMPT) == 32
+    r0.cache.apply([stored(PROMPT, 6)])
+    assert expected_hit_tokens(r0, PROMPT) == 96
+    assert expected_hit_tokens(r0, PROMPT[:96]) == 80  # a lookup always leaves one token to compute
+    r0.cache.apply([CacheUpdate("page_evicted", page_keys(PROMPT, 16, ROOT, 1))])  # a hole: nothing matches
+    assert expected_hit_tokens(r0, PROMPT) == 0
+
+
+def test_other_namespace_never_hits_and_hybrid_hits_end_at_a_state():
+    reg = registry(1, namespace_key(MODEL, "float32", 16))
+    reg.live()[0].cache.apply([stored(PROMPT, 6)])  # keys under the bfloat16 namespace
+    assert expected_hit_tokens(reg.live()[0], PROMPT) == 0
+    reg = RankRegistry(MODEL)
+    reg.on_hello(b"h", hello(0, cache_root=ROOT, needs_state=True), 0.0, 0.5)
+    rank = reg.live()[0]
+    keys = page_keys(PROMPT, 16, ROOT, 6)
+    rank.cache.apply([stored(PROMPT, 6)])
+    assert expected_hit_tokens(rank, PROMPT) == 0
+    rank.cache.apply([CacheUpdate("state_stored", [keys[2]]), CacheUpdate("state_stored", [keys[4]])])
+    assert expected_hit_tokens(rank, PROMPT) == 80
+    rank.cache.apply([CacheUpdate("state_evicted", [keys[4]])])
+    assert expected_hit_tokens(rank, PROMPT) == 48
+
+
+def test_dead_rank_drops_its_index_and_decode_ranks_get_none():
+    reg = registry(2, ROOT)
+    r0 = reg.ranks["colocated-0"]
+    r0.cache.apply([stored(PROMPT, 6)])
+    reg.on_hello(b"r0", hello(0, cache_root=ROOT), 1.0, 0.5)  # a repeated Hello keeps the index
+    assert expected_hit_tokens(r0, PROMPT) == 96
+    reg.mark_dead(r0, "gone")
+    assert r0.cache is None and expected_hit_tokens(r0, PROMPT) == 0
+    assert pick_rank(reg, CacheAware(), RouteRequest(PROMPT, 1), "colocated", 8).name == "colocated-1"
+    assert registry(1, ROOT, role="decode").live()[0].cache is None
+    assert registry(1).live()[0].cache is None  # no host cache on the rank
+
+
+def test_cache_aware_prefers_the_rank_holding_the_prefix_unless_its_queue_is_much_longer():
+    reg = registry(3, ROOT)
+    r0, r1, r2 = reg.live()
+    r1.cache.apply([stored(PROMPT, 6)])  # 96 tokens
+    policy = CacheAware(load_tokens=32)
+    req = RouteRequest(PROMPT, 1)
+    assert policy.choose(reg.live(), req) is r1
+    r1.inflight = {"a", "b"}  # 96 - 2 * 32 = 32 > 0: still worth the wait
+    assert policy.choose(reg.live(), req) is r1
+    r1.inflight = {"a", "b", "c", "d"}  # 96 - 128 < 0: the idle ranks win, least loaded among them
+    r0.inflight = {"x"}
+    assert policy.choose(reg.live(), req) is r2
+    assert policy.choose(reg.live(), RouteRequest([5] * 100, 1)) is r2  # no hit anywhere: least loaded
+    assert CacheAware().choose([r0, r1], req) is r0  # default: a request in flight costs 256 tokens
+
+
+def test_cache_aware_without_host_caches_is_least_loaded():
+    reg = registry(2)
+    policy = CacheAware()
+    picks = []
+    for _ in range(4):
+        rank = pick_rank(reg, policy, RouteRequest(PROMPT, 1), "colocated", 8)
+        rank.routed += 1
+        picks.append(rank.index)
+    assert picks == [0, 1, 0, 1]
+
+
+def test_affinity_is_stable_per_conversation_and_spreads_them():
+    reg = registry(4)
+    policy = Affinity()
+    first = {k: policy.choose(reg.live(), RouteRequest([1], 1, k)).index for k in map(str, range(40))}
+    assert first == {k: Affinity().choose(reg.live()[::-1], RouteRequest([2, 3], 1, k)).index for k in first}
+    assert len(set(first.values())) == 4
+    reg.live()[1].inflight = {"x"}
+    assert policy.choose(reg.live(), RouteRequest([1], 1)).index == 0  # no user message: least loaded
+
+
+def test_default_policy_is_cache_aware():
+    from pd_server.config import RouterConfig
+
+    assert make_policy(RouterConfig().routing_policy).name == "cache-aware"
+    assert {make_policy(n).name for n in ("affinity", "least-loaded")} == {"affinity", "least-loaded"}
