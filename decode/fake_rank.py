@@ -14,12 +14,12 @@ import argparse
 import logging
 import os
 import queue
-import signal
 import sys
 import time
 from dataclasses import dataclass
 
 from decode.config import RankConfig
+from decode.rank import serve
 from decode.rank_link import RankLink
 from pd_server.cli_args import add_dataclass_args, from_args, opt
 from pd_server.protocol import PROTOCOL_VERSION
@@ -110,16 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     hello = Hello(PROTOCOL_VERSION, cfg.role, cfg.index, os.getpid(), fake.model, fake.max_model_len or 8192,
                   fake.vocab_size, 16, fake.pages_total)
     loop = FakeLoop(fake)
-    link = RankLink(cfg, hello, loop.stats)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: link.stop(f"signal {signal.Signals(signum).name}"))
-    link.start()
-    try:
-        loop.run(link)
-    finally:
-        link.close()
-        log.info("exiting: %s", link.stop_reason)
-    return link.exit_code
+    return serve(cfg, None, loop, RankLink(cfg, hello, loop.stats))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,10 @@ def pd_nixl(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pd_shm(tmp_path_factory):
     system = start_system(tmp_path_factory.mktemp("pd-shm"),
-                          ["--prefill", "2", "--decode", "2", "--transfer", "shm", *COMMON], timeout=420)
+                          ["--prefill", "2", "--decode", "2", "--transfer", "shm",
+                           # Prefix cache off, as the module docstring says (the launcher's default is on;
+                           # with it, cache-aware routing sends shared-prefix prompts to one rank).
+                           "--hicache-size-gb", "0", *COMMON], timeout=420)
     pids = [r["pid"] for r in system.ranks().values()]
     try:
         yield system

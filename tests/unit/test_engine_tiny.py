@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.conftest import TEST_DEVICE, TINY_FAMILIES
@@ -23,6 +24,10 @@ def _engine(path, **kw) -> LLMEngine:
                max_num_batched_tokens=16, device=TEST_DEVICE)
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))
+
+
+def _page_bytes(path) -> int:
+    return KVPool.bytes_per_page(ModelConfig.from_hf_dir(path), 4, torch.float32)
 
 
 def _hf(path):
@@ -73,19 +78,13 @@ def test_preemption_recomputes_to_same_output(tiny_model_dir, family):
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     ref = [o.new_token_ids for o in _engine(path).generate(prompts, params)]
     # 50 tokens per sequence -> 13 pages of 4; 30 pages fit two, not four.
-    small = _engine(path, kv_cache_gb=30 * LLMEngineBytes.page(path) / 2**30)
+    small = _engine(path, kv_cache_gb=30 * _page_bytes(path) / 2**30)
     outs = small.generate(prompts, params)
     assert [o.new_token_ids for o in outs] == ref
     assert small.scheduler.num_preemptions > 0
     assert small.pool.used_pages == 0 and small.pool.free_slots == small.pool.num_slots
 
 
-class LLMEngineBytes:
-    @staticmethod
-    def page(path) -> int:
-        from engine.config import ModelConfig
-        from engine.kv_cache import KVPool
-        return KVPool.bytes_per_page(ModelConfig.from_hf_dir(path), 4, torch.float32)
 
 
 def test_abort_in_every_phase_frees_pages(tiny_model_dir):
