@@ -215,7 +215,9 @@ def test_abort_while_decoding_frees_both_ranks(request, backend):
 @BOTH
 def test_abort_while_prefilling_frees_both_ranks(request, backend, engine):
     pd = system_for(request, backend)
-    ids = prompts(engine)[2] * 2  # ~1400 tokens: seconds of prefill on a busy CPU
+    # ~1400 tokens: seconds of prefill on a busy CPU. The leading token keeps it out of the
+    # host prefix cache (an earlier test prefills the same text; a hit would end prefill at once).
+    ids = [4242] + prompts(engine)[2] * 2
     cm, r = _stream(pd, {"prompt": ids, "max_tokens": 50})
     try:
         pd.wait_until(lambda: any(x["role"] == "prefill" and x["running"] for x in pd.ranks().values()), 20,
