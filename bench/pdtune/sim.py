@@ -1,0 +1,351 @@
+"""Discrete-event simulation of one serving configuration on a workload (DistServe-style).
+
+Deterministic: events at equal times run in the order they were scheduled. Time is seconds.
+A request's life, mirroring the router and ranks:
+  1. Its session sends it (closed loop: `concurrency` sessions at once, each chain's calls one
+     after another with the recorded idle gaps, subagent forks side by side; workload.py).
+  2. Router: colocated -> a colocated rank; PD -> a prefill rank and a decode rank at once.
+     Ranks that prefill are chosen cache-aware (pd_server/routing.py CacheAware: the largest
+     hit_tokens - load_tokens * in-flight, ties to the least loaded, then the lowest index);
+     decode ranks by fewest in flight. A prefill rank stops counting a PD request at its
+     first token, a decode or colocated rank at its end.
+  3. Rank that prefills: continuous batching like engine/scheduler.py: each step, running
+     sequences (oldest first) get their next tokens (1 when decoding, a chunk of the prompt
+     otherwise) within `max_num_batched_tokens`, then waiting ones are admitted FCFS while
+     budget and `max_num_seqs` last. Admission looks the prompt up in the rank's host cache
+     (blocks of the trace's hash_ids; at least one token left to compute, page-aligned); the
+     prompt's full blocks are stored when its prefill ends. A step with prompt chunks costs
+     the sum of their prefill_s(new, cached) plus decode_s(batch, mean context) of its
+     one-token rows: a chunk stalls every decode in the step, as on a colocated rank (phase
+     `prefill_stall`: a request's decode time spent in other prompts' chunks).
+  4. The step that completes a prompt samples the first token (TTFT at the step's end). PD:
+     that step also pays stage_s(KV bytes) per completed prompt (the copy into the handoff
+     pool), and the request leaves the prefill rank (a one-token request ends there).
+  5. Decode rank: handoffs queue FIFO; one read at a time (transfer_s(bytes)) while the rank
+     has a sequence place; the pulled request joins the next decode step. Steps batch every
+     running sequence (decode_s(batch, mean context)), one token each.
+Not modelled: KV memory limits and preemption, handoff-pool backpressure, network and
+HTTP latency, host-cache eviction (unbounded), the max-in-flight 429s.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bench.pdtune.costs import StepCosts
+from bench.pdtune.report import RequestResult
+from bench.pdtune.workload import Call, Fork, Session
+
+
+@dataclass(frozen=True)
+class Split:
+    """A configuration: `colocated` ranks, or `prefill` + `decode` ranks (PD)."""
+
+    colocated: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+    def __post_init__(self) -> None:
+        if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
+            raise ValueError("rank counts must be >= 0")
+        if bool(self.colocated) == bool(self.prefill or self.decode):
+            raise ValueError("a split is colocated N, or xPyD with x, y >= 1")
+        if not self.colocated and not (self.prefill and self.decode):
+            raise ValueError("PD needs at least one prefill and one decode rank")
+
+    @property
+    def ranks(self) -> int:
+        return self.colocated + self.prefill + self.decode
+
+    @property
+    def name(self) -> str:
+        return f"colocated-{self.colocated}" if self.colocated else f"{self.prefill}P{self.decode}D"
+
+    @classmethod
+    def parse(cls, text: str) -> "Split":
+        t = text.strip().upper()
+        if t.startswith("COLOCATED-"):
+            return cls(colocated=int(t.split("-", 1)[1]))
+        p, _, d = t.partition("P")
+        if not d.endswith("D"):
+            raise ValueError(f"not a split name: {text!r} (colocated-N or xPyD)")
+        return cls(prefill=int(p), decode=int(d[:-1]))
+
+
+def splits(ranks: int) -> list[Split]:
+    """Colocated `ranks`, then every xPyD with x + y = ranks (x ascending)."""
+    if ranks < 1:
+        raise ValueError("ranks must be >= 1")
+    return [Split(colocated=ranks)] + [Split(prefill=x, decode=ranks - x) for x in range(1, ranks)]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The engine and router knobs the simulation mirrors (their defaults)."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    page_size: int = 16
+    load_tokens: int = 256  # CacheAware's price of one request in flight, in prompt tokens
+
+
+@dataclass(eq=False)
+class _Req:
+    call: Call
+    keys: tuple  # per prompt block: (session instance, hash id)
+    arrival: float
+    on_done: Callable[[], None]
+    cached: int = 0
+    computed: int = 0
+    generated: int = 0
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    t_pull_start: float = 0.0
+    t_pull_end: float = 0.0
+    t_first_decode: float = 0.0
+    stall: float = 0.0  # decode time spent in steps' prompt chunks (colocated: a chunk stalls decode)
+    decode_rank: "_Rank | None" = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.call.input_tokens
+
+
+@dataclass(eq=False)
+class _Rank:
+    name: str
+    role: str  # colocated | prefill | decode
+    index: int
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+    cache: set = field(default_factory=set)
+    busy: bool = False  # a step is scheduled or running
+    inflight: int = 0
+    routed: int = 0
+    handoffs: deque = field(default_factory=deque)
+    pulling: bool = False
+
+
+class Simulator:
+    def __init__(self, split: Split, costs: StepCosts, sessions: list[Session], concurrency: int,
+                 limits: Limits = Limits(), duration_s: float | None = None) -> None:
+        """`concurrency` sessions run at once. Without `duration_s` every session runs once;
+        with it, sessions repeat in order (new instances: no cache carry-over) and no call
+        is sent at or after duration_s (those in flight finish)."""
+        if concurrency < 1 or not sessions:
+            raise ValueError("need concurrency >= 1 and at least one session")
+        self.split, self.costs, self.limits = split, costs, limits
+        self.sessions, self.concurrency, self.duration = sessions, concurrency, duration_s
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self._next_session = 0
+        self._instances = itertools.count()
+        self.results: list[RequestResult] = []
+        if split.colocated:
+            self.prefillers = [_Rank(f"colocated-{i}", "colocated", i) for i in range(split.colocated)]
+            self.decoders: list[_Rank] = []
+        else:
+            self.prefillers = [_Rank(f"prefill-{i}", "prefill", i) for i in range(split.prefill)]
+            self.decoders = [_Rank(f"decode-{i}", "decode", i) for i in range(split.decode)]
+
+    # ---- event loop -------------------------------------------------------------------
+    def _at(self, t: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+
+    def run(self) -> list[RequestResult]:
+        for _ in range(self.concurrency):
+            self._start_session()
+        while self._events:
+            t, _, fn, args = heapq.heappop(self._events)
+            self.now = t
+            fn(*args)
+        return self.results
+
+    # ---- sessions (the client) ----------------------------------------------------------
+    def _start_session(self) -> None:
+        i = self._next_session
+        if self.duration is None and i >= len(self.sessions):
+            return
+        if self.duration is not None and self.now >= self.duration:
+            return
+        self._next_session += 1
+        s = self.sessions[i % len(self.sessions)]
+        self._run_chain(next(self._instances), s.items, 0, self._start_session)
+
+    def _run_chain(self, inst: int, items, idx: int, on_done: Callable[[], None]) -> None:
+        if idx == len(items):
+            on_done()
+            return
+        item = items[idx]
+
+        def then() -> None:
+            self._run_chain(inst, items, idx + 1, on_done)
+        if isinstance(item, Call):
+            self._at(self.now + item.delay_s, self._submit, inst, item, then)
+        else:
+            self._at(self.now + item.delay_s, self._fork, inst, item, then)
+
+    def _fork(self, inst: int, fork: Fork, then: Callable[[], None]) -> None:
+        left = [len(fork.chains)]
+
+        def joined() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                then()
+        if not fork.chains:
+            then()
+        for chain in fork.chains:
+            self._run_chain(inst, chain, 0, joined)
+
+    # ---- the router ---------------------------------------------------------------------
+    def _submit(self, inst: int, call: Call, then: Callable[[], None]) -> None:
+        if self.duration is not None and self.now >= self.duration:
+            then()  # the chain ends: nothing is sent after the benchmark duration
+            return
+        req = _Req(call, tuple((inst, h) for h in call.hash_ids), self.now, then)
+        rank = max(self.prefillers, key=lambda r: (self._hit(r, req) - self.limits.load_tokens * r.inflight,
+                                                   -r.inflight, -r.routed, -r.index))
+        rank.inflight += 1
+        rank.routed += 1
+        if self.decoders:
+            d = min(self.decoders, key=lambda r: (r.inflight, r.routed, r.index))
+            d.inflight += 1
+            d.routed += 1
+            req.decode_rank = d
+        rank.waiting.append(req)
+        self._kick(rank)
+
+    def _hit(self, rank: _Rank, req: _Req) -> int:
+        """Prompt tokens the rank's host cache serves: the leading stored blocks, leaving at
+        least one token to compute, in whole pages."""
+        n = 0
+        for k in req.keys:
+            if k not in rank.cache:
+                break
+            n += 1
+        page = self.limits.page_size
+        cap = (req.call.input_tokens - 1) // page * page
+        return min(n * req.call.block_size, cap)
+
+    # ---- ranks ----------------------------------------------------------------------------
+    def _kick(self, rank: _Rank) -> None:
+        if not rank.busy and (rank.waiting or rank.running):
+            rank.busy = True
+            self._at(self.now, self._step, rank)
+
+    def _schedule(self, rank: _Rank) -> list[tuple[_Req, int]]:
+        lim = self.limits
+        budget = lim.max_num_batched_tokens
+        batch = []
+        for r in rank.running:
+            if budget == 0:
+                break
+            n = min(r.call.input_tokens - r.computed if r.prefilling else 1, budget)
+            batch.append((r, n))
+            budget -= n
+        while rank.waiting and budget > 0 and len(rank.running) < lim.max_num_seqs:
+            r = rank.waiting.popleft()
+            r.cached = r.computed = self._hit(rank, r)
+            r.t_admit = self.now
+            n = min(r.call.input_tokens - r.computed, budget)
+            rank.running.append(r)
+            batch.append((r, n))
+            budget -= n
+        return batch
+
+    def _step(self, rank: _Rank) -> None:
+        batch = self._schedule(rank)
+        if not batch:
+            rank.busy = False
+            return
+        c = self.costs
+        dur = 0.0
+        decode_ctx = []
+        for r, n in batch:
+            if r.prefilling:
+                dur += c.prefill_s(n, r.computed)
+                if rank.role == "prefill" and r.computed + n == r.call.input_tokens and r.call.output_tokens > 1:
+                    dur += c.stage_s(r.call.input_tokens * c.kv_bytes_per_token)
+            else:
+                decode_ctx.append(r.call.input_tokens + r.generated)
+        if decode_ctx:
+            for r, n in batch:
+                if not r.prefilling:
+                    r.stall += dur  # the step's prompt chunks, paid by each of its decode rows
+            dur += c.decode_s(len(decode_ctx), sum(decode_ctx) / len(decode_ctx))
+        self._at(self.now + dur, self._step_end, rank, batch)
+
+    def _step_end(self, rank: _Rank, batch: list[tuple[_Req, int]]) -> None:
+        for r, n in batch:
+            if r.prefilling:
+                r.computed += n
+                if r.prefilling:
+                    continue
+                r.generated, r.t_first = 1, self.now
+                full = r.call.input_tokens // r.call.block_size
+                rank.cache.update(r.keys[:full])
+                if rank.role == "prefill" and r.call.output_tokens > 1:
+                    rank.running.remove(r)
+                    rank.inflight -= 1
+                    self._handoff(r)
+                elif r.call.output_tokens == 1:
+                    self._finish(rank, r)
+            else:
+                r.generated += 1
+                if r.generated == 2:
+                    r.t_first_decode = self.now
+                if r.generated == r.call.output_tokens:
+                    self._finish(rank, r)
+        rank.busy = False
+        self._kick(rank)
+
+    def _handoff(self, r: _Req) -> None:
+        d = r.decode_rank
+        d.handoffs.append(r)
+        self._pump(d)
+
+    def _pump(self, d: _Rank) -> None:
+        """Start the next read when none runs and the rank has a sequence place."""
+        if d.pulling or not d.handoffs or len(d.running) >= self.limits.max_num_seqs:
+            return
+        r = d.handoffs.popleft()
+        d.pulling = True
+        r.t_pull_start = self.now
+        self._at(self.now + self.costs.transfer_s(r.call.input_tokens * self.costs.kv_bytes_per_token),
+                 self._pulled, d, r)
+
+    def _pulled(self, d: _Rank, r: _Req) -> None:
+        d.pulling = False
+        r.t_pull_end = self.now
+        d.running.append(r)
+        self._kick(d)
+        self._pump(d)
+
+    def _finish(self, rank: _Rank, r: _Req) -> None:
+        rank.running.remove(r)
+        rank.inflight -= 1
+        if rank.role == "decode":
+            self._pump(rank)
+        if r.decode_rank is not None and rank.role != "decode":  # ended at its first token on a prefill rank
+            r.decode_rank.inflight -= 1
+        c = r.call
+        if r.decode_rank is not None and rank.role == "decode":
+            phases = {"prefill_wait": r.t_admit - r.arrival, "prefill": r.t_first - r.t_admit,
+                      "admission_wait": r.t_pull_start - r.t_first, "transfer": r.t_pull_end - r.t_pull_start,
+                      "first_decode": r.t_first_decode - r.t_pull_end, "decode": self.now - r.t_first_decode}
+        else:
+            phases = {"prefill_wait": r.t_admit - r.arrival, "prefill": r.t_first - r.t_admit,
+                      "decode": self.now - r.t_first - r.stall, "prefill_stall": r.stall}
+        self.results.append(RequestResult(r.arrival, r.t_first - r.arrival, self.now - r.arrival,
+                                          c.input_tokens, c.output_tokens, r.cached, phases))
+        r.on_done()
+
+
+def simulate(split: Split, costs: StepCosts, sessions: list[Session], concurrency: int,
+             limits: Limits = Limits(), duration_s: float | None = None) -> list[RequestResult]:
+    """Per-request results of `sessions` served by `split` (see the module docstring)."""
+    return Simulator(split, costs, sessions, concurrency, limits, duration_s).run()

@@ -1,0 +1,139 @@
+"""Measured mode (`pd_tune.py sweep`): every split served for real, replayed with aiperf.
+
+scripts/agentx_compare.sh (bench/agentx/compare.py) starts colocated R and each xPyD split in
+turn, replays the same workload against each with aiperf, stops it, and writes
+RUN/summary.json: per configuration its aggregates, the server's phase means, and the path
+of aiperf's per-request `profile_export.jsonl`. This module reads those per-request records
+(one JSON object a line, aiperf's MetricRecordInfo):
+
+    {"metadata": {"request_start_ns": ..., "request_end_ns": ..., "benchmark_phase": "profiling", ...},
+     "metrics": {"time_to_first_token": {"value": 812.5, "unit": "ms"},
+                 "inter_token_latency": {"value": 41.0, "unit": "ms"},
+                 "request_latency": {...}, "input_sequence_length": {"value": 900, "unit": "tokens"},
+                 "output_sequence_length": {...}, "usage_prompt_cache_read_tokens": {...}, ...},
+     "error": null | {"code": 500, "message": ...}}
+
+and computes goodput per split from them (report.py), with the phase breakdown from
+summary.json. Warm-up records are skipped; failed ones count as errors (never as good).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.pdtune.report import RequestResult, summarize
+
+ROOT = Path(__file__).resolve().parents[2]
+_TO_S = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0}
+
+
+def _seconds(metric: dict | None) -> float | None:
+    if not metric or metric.get("value") is None:
+        return None
+    return float(metric["value"]) * _TO_S[metric.get("unit", "ms")]
+
+
+def _count(metric: dict | None) -> int:
+    return int(metric["value"]) if metric and metric.get("value") is not None else 0
+
+
+def parse_profile_export(path: str | Path) -> tuple[list[RequestResult], int]:
+    """(results of the profiling phase's successful requests, number of failed ones)."""
+    results, errors = [], 0
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        md, m = rec.get("metadata", {}), rec.get("metrics", {})
+        if str(md.get("benchmark_phase", "profiling")).lower() != "profiling":
+            continue
+        ttft = _seconds(m.get("time_to_first_token"))
+        if rec.get("error") or md.get("was_cancelled") or ttft is None:
+            errors += 1
+            continue
+        start = md["request_start_ns"] * 1e-9
+        e2e = _seconds(m.get("request_latency"))
+        if e2e is None:
+            e2e = md["request_end_ns"] * 1e-9 - start
+        results.append(RequestResult(start, ttft, e2e, _count(m.get("input_sequence_length")),
+                                     _count(m.get("output_sequence_length")),
+                                     _count(m.get("usage_prompt_cache_read_tokens")),
+                                     itl_measured_s=_seconds(m.get("inter_token_latency"))))
+    return results, errors
+
+
+def split_name(name: str) -> str:
+    """A configuration's name as compare.py may write it -> pd_tune's (colocated-N, xPyD)."""
+    from bench.pdtune.sim import Split
+
+    t = name.strip().lower().replace("_", "-")
+    for prefix in ("colocated-", "colocated", "colo-", "colo"):
+        if t.startswith(prefix) and t[len(prefix):].isdigit():
+            return Split(colocated=int(t[len(prefix):])).name
+    t = t.removeprefix("pd-")
+    return Split.parse(t).name
+
+
+def _phases_ms(cfg: dict) -> dict[str, float]:
+    """Phase means in ms from one summary.json configuration (`phases_ms`: name -> ms, or
+    `phases`: name -> ms or {"mean_ms"| "mean_s"| "sum"/"count"})."""
+    if isinstance(cfg.get("phases_ms"), dict):
+        return {k: float(v) for k, v in cfg["phases_ms"].items() if v is not None}
+    out = {}
+    for k, v in (cfg.get("phases") or {}).items():
+        if isinstance(v, (int, float)):
+            out[k] = float(v)
+        elif isinstance(v, dict):
+            if v.get("mean_ms") is not None:
+                out[k] = float(v["mean_ms"])
+            elif v.get("mean_s") is not None:
+                out[k] = 1e3 * float(v["mean_s"])
+            elif v.get("count"):
+                out[k] = 1e3 * float(v["sum"]) / float(v["count"])
+    return out
+
+
+def read_run(run_dir: str | Path, ttft_ms: float, itl_ms: float) -> dict[str, dict]:
+    """Aggregates per configuration (pd_tune names) of a finished agentx_compare run."""
+    run_dir = Path(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    configs = summary.get("configs", summary)
+    items = configs.items() if isinstance(configs, dict) else ((c["name"], c) for c in configs)
+    rows = {}
+    for name, cfg in items:
+        path = cfg.get("profile_export") or cfg.get("profile_export_jsonl") or cfg.get("records")
+        if not path:
+            print(f"[sweep] {name}: no profile_export path in summary.json; skipped", file=sys.stderr)
+            continue
+        path = Path(path) if Path(path).is_absolute() else run_dir / path
+        results, errors = parse_profile_export(path)
+        row = summarize(results, ttft_ms, itl_ms, errors)
+        row["phases_ms"] = _phases_ms(cfg) or row["phases_ms"]
+        rows[split_name(name)] = row
+    return rows
+
+
+def run_sweep(args) -> dict[str, dict]:
+    """Run scripts/agentx_compare.sh for every split of args.ranks (unless --from-run names
+    a finished run) and return its aggregates per configuration."""
+    if args.from_run:
+        return read_run(args.from_run, args.ttft_ms, args.itl_ms)
+    out = Path(args.out or tempfile.mkdtemp(prefix="pd-tune-sweep-"))
+    cmd = [str(ROOT / "scripts" / "agentx_compare.sh"), "--ranks", str(args.ranks), "--out", str(out),
+           "--concurrency", str(args.concurrency)]
+    if args.workload:
+        cmd += ["--traces", args.workload]
+    else:
+        cmd += ["--synthetic", "--isl", str(args.isl), "--osl", str(args.osl), "--requests", str(args.requests)]
+    if args.duration:
+        cmd += ["--duration", str(args.duration)]
+    if args.splits:
+        cmd += ["--splits", args.splits]
+    cmd += args.compare_args.split()
+    print("[sweep] " + " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    print(f"[sweep] run directory: {out}", file=sys.stderr)
+    return read_run(out, args.ttft_ms, args.itl_ms)

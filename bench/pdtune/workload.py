@@ -1,0 +1,120 @@
+"""Workloads the simulator replays: aiperf `weka_trace` directories, or synthetic isl/osl.
+
+A workload is a list of sessions; a session is a chain of items run one after another:
+a `Call` (one chat completion: prompt and output tokens, the prompt's KV block hashes) after
+an idle `delay_s`, or a `Fork` (subagents: child chains that run concurrently; the parent
+goes on when all of them are done). This is how aiperf replays a weka trace (its loader,
+aiperf/dataset/loader/weka_trace.py):
+  * each trace file is one session; its requests go in order, each after the previous
+    one completed plus the recorded idle gap, end to start: t_k - (t_{k-1} + api_time_{k-1}),
+    at least 0 (think_time is not used by default, nor is any idle-gap cap applied here);
+  * a `type: "subagent"` entry spawns its inner requests as a child chain at its `t`;
+    consecutive entries run side by side; the parent's next request waits for all of them
+    (its gap then counts from the subagents' recorded end, t + duration_ms);
+  * hash_ids name the prompt's blocks of `block_size` tokens, scoped to the trace
+    (hash_id_scope "local"): equal ids within a trace are a shared prefix, never across
+    traces (aiperf also puts a per-session `[rid:...]` marker at the start of the prompt).
+Not modelled: AgentX's trajectory start ratios (sessions entered mid-way) and warm-up.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Call:
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] = ()
+    block_size: int = 16
+    delay_s: float = 0.0  # idle time before it is sent, after what precedes it in its chain
+
+
+@dataclass(frozen=True)
+class Fork:
+    chains: tuple[tuple["Call | Fork", ...], ...]
+    delay_s: float = 0.0  # before the children start
+
+
+Item = Call | Fork
+
+
+@dataclass(frozen=True)
+class Session:
+    id: str
+    items: tuple[Item, ...]
+
+    def num_calls(self) -> int:
+        return _count(self.items)
+
+
+def _count(items) -> int:
+    return sum(1 if isinstance(i, Call) else sum(_count(c) for c in i.chains) for i in items)
+
+
+def synthetic(isl: int, osl: int, num_requests: int) -> list[Session]:
+    """`num_requests` one-call sessions of isl prompt / osl output tokens, no shared prefix."""
+    if isl < 1 or osl < 1 or num_requests < 1:
+        raise ValueError("isl, osl and num_requests must be >= 1")
+    return [Session(f"synthetic-{i}", (Call(isl, osl),)) for i in range(num_requests)]
+
+
+def _gap(t: float, prev_end: float | None) -> float:
+    return 0.0 if prev_end is None else max(0.0, t - prev_end)
+
+
+def _end(req: dict) -> float:
+    return float(req["t"]) + max(0.0, float(req.get("api_time") or 0.0))
+
+
+def _chain(reqs: list[dict], block_size: int, prev_end: float | None) -> tuple[list[Item], float | None]:
+    """Items of one request list, and the recorded end of its last item."""
+    items: list[Item] = []
+    i = 0
+    while i < len(reqs):
+        r = reqs[i]
+        if r["type"] != "subagent":
+            items.append(Call(int(r["in"]), max(1, int(r["out"])), tuple(int(h) for h in r.get("hash_ids", ())),
+                              block_size, _gap(float(r["t"]), prev_end)))
+            prev_end = _end(r)
+            i += 1
+            continue
+        group = []
+        while i < len(reqs) and reqs[i]["type"] == "subagent":
+            group.append(reqs[i])
+            i += 1
+        spawn = min(float(g["t"]) for g in group)
+        chains, ends = [], []
+        for g in group:
+            inner = [dict(c, t=float(c["t"]) + float(g["t"]) if float(c["t"]) < float(g["t"]) else float(c["t"]))
+                     for c in g["requests"]]  # relative child timestamps -> trace time (as aiperf does)
+            child, child_end = _chain(inner, block_size, float(g["t"]))
+            chains.append(tuple(child))
+            dur = g.get("duration_ms")
+            ends.append(float(g["t"]) + dur / 1000.0 if dur is not None else (child_end or float(g["t"])))
+        items.append(Fork(tuple(chains), _gap(spawn, prev_end)))
+        prev_end = max(ends)
+    return items, prev_end
+
+
+def load_trace_file(path: str | Path) -> Session | None:
+    """The file's session; None for a JSON file that is not a trace (a manifest)."""
+    d = json.loads(Path(path).read_text())
+    if not isinstance(d, dict) or "requests" not in d:
+        return None
+    if d.get("hash_id_scope", "local") != "local":
+        raise ValueError(f"{path}: only hash_id_scope 'local' is supported")
+    items, _ = _chain(d["requests"], int(d["block_size"]), None)
+    return Session(str(d["id"]), tuple(items))
+
+
+def load_trace_dir(path: str | Path) -> list[Session]:
+    """Every trace `*.json` in the directory (a single file also works), sorted by name;
+    other JSON files (a manifest) are skipped."""
+    p = Path(path)
+    sessions = [s for f in (sorted(p.glob("*.json")) if p.is_dir() else [p]) if (s := load_trace_file(f))]
+    if not sessions:
+        raise ValueError(f"no weka trace files (*.json with 'requests') in {p}")
+    return sessions
