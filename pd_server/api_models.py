@@ -1,19 +1,21 @@
 """OpenAI request bodies as pydantic models: the one place request fields are declared and range-checked.
 
 A failed check becomes a 400 in OpenAI's error shape (app.py), naming the field. Checks that
-need the model (prompt length, context, vocab) happen later, in sampling.py and prompts.py.
+need the model (prompt length, context, vocab) happen later, in sampling.py and prompts.py;
+how much one request may ask for (n, stop strings, messages, tools, prompts, max_tokens) is
+bounded by flags, in limits.py.
 Union fields that the OpenAI API itself defines (stop: str | list, prompt: str | list | ids,
 content: str | parts) are normalised to one form right here, by the properties below.
 Unknown fields are ignored, as OpenAI's own server does for forward compatibility.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_N = 16
-MAX_STOP = 16
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # a rank's token ids are int32
 
 
 class _Model(BaseModel):
@@ -28,17 +30,17 @@ class SamplingRequest(_Model):
     """Fields chat and completions share."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)  # upper bound: --max-n (limits.py)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     max_tokens: int | None = Field(None, ge=1)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
@@ -48,14 +50,28 @@ class SamplingRequest(_Model):
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: token ids in each choice
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data):
+        """Every string must be encodable as UTF-8: JSON escapes can carry lone surrogates
+        ("\\ud800"), which the tokenizer (and any UTF-8 writer) refuses. Also refuses
+        nesting deeper than an encoder can walk (a tool schema 1,000 objects deep)."""
+        try:
+            msgspec.json.encode(data)
+        except UnicodeEncodeError:
+            raise ValueError("strings must be valid Unicode (no lone surrogates such as \\ud800)") from None
+        except RecursionError:
+            raise ValueError("the request is nested too deeply") from None
+        except (TypeError, OverflowError, msgspec.EncodeError):
+            pass  # not ours to judge: the field checks below name the field
+        return data
+
     @model_validator(mode="after")
     def _check_shared(self):
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         if any(not s for s in self.stop_list):
             raise ValueError("stop strings must be non-empty")
-        if len(self.stop_list) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings")
         return self
 
     @property

@@ -8,6 +8,8 @@
     GET  /metrics               Prometheus text (metrics.py)
 Every error is {"error": {"message", "type", "param", "code"}}: APIError as raised,
 validation failures as 400 (never FastAPI's 422), unknown routes 404, anything else 500.
+Middleware, outermost first: RequestCounter (metrics), RequestGuard (security.py: API key,
+body size and body deadline); the routes then check per-request limits (limits.py).
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from pd_server.api_models import ChatCompletionRequest, CompletionRequest
 from pd_server.chat import create_chat_completion
 from pd_server.completions import create_completion
 from pd_server.errors import APIError, error_body
+from pd_server.limits import check_chat, check_completion
 from pd_server.responses import ModelCard, ModelList, to_json
+from pd_server.security import RequestGuard, api_key
 from pd_server.serving import ServerContext
 
 log = logging.getLogger("pd_server.app")
@@ -42,6 +46,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errs:
         return "invalid request", None
     e = errs[0]
+    if e.get("type") == "json_invalid":  # loc is ("body", character offset): not a field
+        return f"the body is not valid JSON: {e.get('ctx', {}).get('error', 'decode error')} " \
+               f"(at character {e['loc'][-1]})", None
+    if e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",):
+        return "the request body is empty; expected a JSON object", None
     # Union members add their type to the path ("str", "list[int]", "function-after[...]"): drop it.
     loc = [str(x) for x in e.get("loc", ()) if x != "body" and str(x) not in _TYPE_TAGS and "[" not in str(x)]
     param = ".".join(loc) or None
@@ -98,10 +107,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        check_chat(req, ctx.cfg)
         return await create_chat_completion(req, request, ctx)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        check_completion(req, ctx.cfg)
         return await create_completion(req, request, ctx)
 
     @app.get("/v1/models")
@@ -121,5 +132,6 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def metrics():
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    app.add_middleware(RequestCounter, ctx=ctx)
+    app.add_middleware(RequestGuard, cfg=ctx.cfg, key=api_key(ctx.cfg))
+    app.add_middleware(RequestCounter, ctx=ctx)  # added last: outermost, so it counts the guard's refusals
     return app

@@ -1,12 +1,13 @@
 """The router's knobs: one frozen dataclass, validated at construction; CLI flags come from it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pd_server.cli_args import opt
 
 RoutingPolicyName = Literal["cache-aware", "affinity", "least-loaded", "round-robin"]
+API_KEY_ENV = "PDSERVE_API_KEY"  # read once, by security.api_key(), when --api-key is empty
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,23 @@ class RouterConfig:
     heartbeat_interval_s: float = opt(0.5, "router pings and rank stats cadence")
     rank_timeout_s: float = opt(3.0, "a rank silent this long is marked dead")
     log_requests: bool = opt(False, "log one line per request (rank choice, tokens, time)")
+    # ---- access and request limits (security.py, limits.py) ----
+    # NOTE: repr=False keeps the key out of every log line and traceback that prints the config.
+    api_key: str = field(default="", repr=False, metadata={"help": (
+        f"require 'Authorization: Bearer <key>' on every /v1/* route (empty: ${API_KEY_ENV}, "
+        "if set; /health and /metrics stay open)")})
+    max_body_bytes: int = opt(16 * 2**20, "largest request body; past it: 413, before the body is read")
+    body_timeout_s: float = opt(30.0, "a request body must arrive in full within this many seconds of its "
+                                      "headers; else 408 (slowloris)")
+    max_messages: int = opt(2048, "messages per chat request; past it: 400")
+    max_tokens_limit: int = opt(32768, "largest max_tokens / max_completion_tokens a request may ask for "
+                                       "(the context length also bounds it); past it: 400")
+    max_n: int = opt(16, "choices per request (n); past it: 400")
+    max_stop: int = opt(16, "stop strings per request; past it: 400")
+    max_stop_chars: int = opt(512, "characters in one stop string; past it: 400")
+    max_tools: int = opt(128, "tools per chat request; past it: 400")
+    max_tool_schema_bytes: int = opt(32768, "JSON size of one tool's definition; past it: 400")
+    max_prompts: int = opt(128, "prompts in one /v1/completions request; past it: 400")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -31,3 +49,9 @@ class RouterConfig:
             raise ValueError("need 0 < heartbeat_interval_s < rank_timeout_s")
         if not self.rank_addr.startswith(("tcp://", "ipc://")):
             raise ValueError(f"rank_addr must be tcp:// or ipc://, got {self.rank_addr!r}")
+        if self.body_timeout_s <= 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
+        for name in ("max_body_bytes", "max_messages", "max_tokens_limit", "max_n", "max_stop", "max_stop_chars",
+                     "max_tools", "max_tool_schema_bytes", "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

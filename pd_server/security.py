@@ -1,0 +1,121 @@
+"""The router's front door, as pure ASGI middleware (BaseHTTPMiddleware would buffer streams).
+
+Every HTTP request passes these steps before any route sees it:
+  1. Key: with an API key set (--api-key, else $PDSERVE_API_KEY), /v1/* needs
+     `Authorization: Bearer <key>`, compared in constant time; otherwise 401
+     (code "invalid_api_key"). /health and /metrics stay open for probes and scrapers.
+  2. Declared size: a Content-Length over --max-body-bytes is a 413 before a byte of the
+     body is read.
+  3. Body: read here, whole, under one deadline of --body-timeout-s from the headers. A
+     chunked body is counted as it arrives (413 the moment it passes the limit); one that
+     trickles or stops (slowloris) is a 408 at the deadline. So no handler ever waits on
+     the client's receive() for its body.
+  4. The route gets the buffered body from its first receive(), then the real receive()
+     (which is how handlers notice a client that goes away).
+Refusals are OpenAI-shaped errors sent with `connection: close`: whatever body remains is
+never read, so the connection cannot be reused.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+from collections.abc import Mapping
+
+from pd_server.config import API_KEY_ENV, RouterConfig
+from pd_server.errors import APIError, error_body
+from pd_server.responses import to_json
+
+PROTECTED_PREFIX = "/v1/"
+
+
+def api_key(cfg: RouterConfig, environ: Mapping[str, str] = os.environ) -> str:
+    """The key requests must carry: --api-key, else $PDSERVE_API_KEY; "" for none."""
+    return cfg.api_key or environ.get(API_KEY_ENV, "")
+
+
+def key_matches(authorization: bytes | None, key: bytes) -> bool:
+    """Whether an Authorization header value is `Bearer <key>` (scheme case-insensitive, as
+    RFC 9110 says). The key comparison takes the same time wherever the first mismatch is."""
+    if authorization is None:
+        return False
+    scheme, _, token = authorization.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+
+
+async def send_error(send, err: APIError, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = to_json(error_body(err))
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class RequestGuard:
+    """ASGI middleware for steps 1-4 above; `cfg` gives the limits, `key` the API key ("": open)."""
+
+    def __init__(self, app, cfg: RouterConfig, key: str) -> None:
+        self.app, self.cfg = app, cfg
+        self.key = key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])  # ASGI: lower-cased names; a repeated header keeps its last value
+        if self.key and scope["path"].startswith(PROTECTED_PREFIX) and \
+                not key_matches(headers.get(b"authorization"), self.key):
+            missing = b"authorization" not in headers
+            msg = ("missing API key: send 'Authorization: Bearer <key>'" if missing
+                   else "incorrect API key provided")
+            return await send_error(send, APIError(401, msg, code="invalid_api_key"),
+                                    ((b"www-authenticate", b"Bearer"),))
+        limit = self.cfg.max_body_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                return await send_error(send, APIError(400, "invalid Content-Length header"))
+            if int(declared) > limit:
+                return await send_error(send, _too_large(limit))
+        try:
+            body = await asyncio.wait_for(self._read_body(receive, limit), self.cfg.body_timeout_s)
+        except TimeoutError:
+            return await send_error(send, APIError(
+                408, f"the request body did not arrive within {self.cfg.body_timeout_s:g} s", code="timeout"))
+        except _ClientGone:
+            return None
+        if body is None:
+            return await send_error(send, _too_large(limit))
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _read_body(receive, limit: int) -> bytes | None:
+        """The whole body, or None once it passes `limit` bytes."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
