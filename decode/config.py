@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pd_server.cli_args import opt
+from pd_server.cluster_auth import cluster_secret_from_env
 from pd_server.protocol import ROLES, Role
 
 TransferKind = Literal["auto", "nixl", "shm"]
@@ -21,6 +22,8 @@ class RankConfig:
     connect_timeout_s: float = opt(60.0, "exit when no router welcomes this rank within this long")
     hello_interval_s: float = opt(2.0, "repeat Hello this often until the router answers")
     warmup: bool = opt(True, "run one tiny request before saying Hello (kernel builds, first-step costs)")
+    cluster_secret: str = opt("", "shared secret of the cluster (ZeroMQ CURVE on rank sockets); default "
+                                  "$PDSERVE_CLUSTER_SECRET, which keeps it out of `ps`")
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -37,6 +40,11 @@ class RankConfig:
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
+
+    @property
+    def secret(self) -> str:
+        """The cluster secret in force: the flag, else the environment ("": none)."""
+        return self.cluster_secret or cluster_secret_from_env()
 
 
 @dataclass(frozen=True)

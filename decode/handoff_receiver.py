@@ -10,6 +10,9 @@ A handed-off request on a decode rank:
   3. Committed: both reads done -> engine.add_prefilled() (decoding starts next step) and
      Pulled to the prefill rank. A failed read -> pages back, PullFailed to the prefill rank,
      RequestError to the router.
+A Handoff from a socket identity that never said PeerHello is answered PullFailed and
+otherwise ignored (it must not fail or touch the request it names); one from a peer that was
+refused or left (a late Handoff of a dead prefill rank) fails its request at the router.
 Failure paths, every one answering the prefill rank exactly once per Handoff it sent:
   - abort while queued: dropped, PullFailed("aborted"); while pulling: the read finishes,
     then pages back and Pulled; before the Handoff arrived: remembered (`_tombstones`), the
@@ -59,6 +62,7 @@ class _Incoming:
     handles: list = field(default_factory=list)
     pull_start: float = 0.0
     aborted: bool = False
+    start_after: float = 0.0  # monotonic: no read starts before this (fault injection only)
 
 
 class HandoffReceiver:
@@ -71,15 +75,18 @@ class HandoffReceiver:
     def __init__(self, engine, backend, name: str, deadline_s: float,
                  send_peer: Callable[[bytes, msgspec.Struct], None],
                  send_router: Callable[[msgspec.Struct], None],
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 delay_pull_s: float = 0.0) -> None:
         self.engine, self.backend, self.name = engine, backend, name
         self.deadline_s = deadline_s
+        self.delay_pull_s = delay_pull_s  # fault injection (decode/faults.py): hold each read back
         self.send_peer, self.send_router = send_peer, send_router
         self.clock, self.wall = clock, wall
         self.peers: dict[bytes, str] = {}  # sender identity -> prefill rank name (a backend peer id)
         self.queue: deque[_Incoming] = deque()
         self.pulling: dict[str, _Incoming] = {}
         self._tombstones: dict[str, float] = {}  # request id -> monotonic expiry
+        self._former: dict[bytes, str] = {}  # identities of peers refused or gone -> name (their handoffs fail)
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
 
@@ -108,6 +115,7 @@ class HandoffReceiver:
                 reason = f"cannot reach {hello.name}'s handoff pool: {e}"
         if reason is not None:
             log.error("refusing prefill peer %s: %s", hello.name, reason)
+            self._former[sender] = hello.name
             self.send_peer(sender, PeerReject(self.name, reason))
             return
         self.peers[sender] = hello.name
@@ -116,12 +124,17 @@ class HandoffReceiver:
 
     def on_handoff(self, sender: bytes, h: Handoff) -> None:
         rid = h.request_id
+        if sender not in self.peers and sender not in self._former:
+            # NOTE: never act on it beyond answering: it could name another rank's request.
+            log.error("dropping handoff %s from %r: its PeerHello was refused or never arrived", rid, sender)
+            self.send_peer(sender, PullFailed(rid, "this rank did not accept your PeerHello"))
+            return
         if self._tombstones.pop(rid, None) is not None:
             self.send_peer(sender, PullFailed(rid, "aborted before the handoff arrived"))
             return
         problem = None
-        if sender not in self.peers:
-            problem = "the prefill rank's PeerHello was refused or never arrived"
+        if sender not in self.peers:  # sent before its rank left the router's Peers: fail it there
+            problem = f"prefill rank {self._former[sender]} was refused or left before this handoff arrived"
         elif self.holds(rid) or rid in self.engine.seqs:
             problem = "request id already on this decode rank"
         elif len(h.pages) != self.engine.pool.pages_for(len(h.prompt_ids)) or \
@@ -130,7 +143,8 @@ class HandoffReceiver:
         if problem is not None:
             self._fail(_Incoming(sender, h, 0.0), 500, problem)
             return
-        self.queue.append(_Incoming(sender, h, self.clock() + self.deadline_s))
+        self.queue.append(_Incoming(sender, h, self.clock() + self.deadline_s, start_after=self.clock() +
+                                    self.delay_pull_s))
 
     def on_abort(self, rid: str) -> bool:
         """Abort a handoff this rank holds (True), else remember it in case the Handoff is still
@@ -155,7 +169,7 @@ class HandoffReceiver:
                 self._drop_peer(ident, f"prefill rank {name} died before its KV was pulled")
 
     def _drop_peer(self, ident: bytes, why: str) -> None:
-        name = self.peers.pop(ident)
+        name = self._former[ident] = self.peers.pop(ident)
         self.backend.remove_peer(name)  # reads in flight from it now poll "failed"
         for inc in [i for i in self.queue if i.sender == ident]:
             self.queue.remove(inc)
@@ -177,6 +191,8 @@ class HandoffReceiver:
                 self._fail(inc, 503, f"decode rank {self.name} had no room for this request's KV within "
                                      f"{self.deadline_s:.1f}s; the system is overloaded, retry later")
                 continue
+            if now < inc.start_after:
+                break
             res = self.engine.reserve_kv(len(inc.handoff.prompt_ids))
             if res is None:
                 break  # FCFS: the head waits for room, the KV waits in the prefill's pool

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from pd_server.cluster_auth import secure_client, secure_server, start_authenticator
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.codec import Codec
 from pd_server.protocol.prefill_decode import DecodeToPrefill, PeerHello, PeerReject, PrefillToDecode
@@ -42,20 +43,24 @@ class PeerMessage:
 class PeerSockets:
     """Not thread-safe: built by the main thread, then used by the IO thread only."""
 
-    def __init__(self, role: str, name: str, host: str, hello: PeerHello | None = None) -> None:
+    def __init__(self, role: str, name: str, host: str, hello: PeerHello | None = None, secret: str = "") -> None:
+        """`secret`: the cluster secret (cluster_auth.py); with one, the decode side's socket
+        admits only prefill ranks holding it and every frame is encrypted."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"peer sockets are for PD ranks, not {role!r}")
         if role == "prefill" and hello is None:
             raise ValueError("a prefill rank's peer sockets need its PeerHello")
-        self.role, self.name, self.host = role, name, host
+        self.role, self.name, self.host, self.secret = role, name, host, secret
         self._codec = Codec()
         self._hello = self._codec.encode(hello) if hello is not None else b""
         self._ctx = zmq.Context()
+        self._auth = start_authenticator(self._ctx, secret) if role == "decode" else None
         self._router: zmq.Socket | None = None
         self._dealers: dict[str, tuple[str, zmq.Socket]] = {}  # decode name -> (addr, DEALER)
         self.addr = ""
         if role == "decode":
             s = self._router = self._ctx.socket(zmq.ROUTER)
+            secure_server(s, secret)
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
             s.setsockopt(zmq.RCVHWM, 0)
@@ -84,6 +89,7 @@ class PeerSockets:
             if name in self._dealers:
                 continue
             sock = self._ctx.socket(zmq.DEALER)
+            secure_client(sock, self.secret)
             sock.setsockopt(zmq.IDENTITY, f"{self.name}-{os.getpid()}".encode())
             sock.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
             sock.setsockopt(zmq.RCVHWM, 0)
@@ -105,6 +111,9 @@ class PeerSockets:
                 frames = sock.recv_multipart(zmq.DONTWAIT)
             except zmq.Again:
                 return out
+            if len(frames) != (2 if self.role == "decode" else 1):
+                log.error("dropping a %d-part message from a peer", len(frames))
+                continue
             if self.role == "decode":
                 sender, frame = frames[0], frames[-1]
             else:
@@ -150,4 +159,6 @@ class PeerSockets:
         for s in self.sockets:
             s.close(linger=0)
         self._dealers.clear()
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()

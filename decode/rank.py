@@ -35,6 +35,7 @@ import time
 import msgspec
 
 from decode.config import HandoffConfig, RankConfig
+from decode.faults import FAULT_ENV, faults_for
 from decode.peer_link import PeerMessage, PeerSockets
 from decode.rank_link import RankLink
 from pd_server.cli_args import add_dataclass_args, from_args
@@ -198,12 +199,12 @@ class DecodeLoop(RankLoop):
 
     ships_cache_events = False  # never routed by prompt
 
-    def __init__(self, engine, backend, name: str, deadline_s: float) -> None:
+    def __init__(self, engine, backend, name: str, deadline_s: float, delay_pull_s: float = 0.0) -> None:
         from decode.handoff_receiver import HandoffReceiver
 
         self.receiver = HandoffReceiver(engine, backend, name, deadline_s,
                                         send_peer=lambda dest, msg: self.link.send_peer(dest, msg),
-                                        send_router=lambda msg: self.link.send(msg))
+                                        send_router=lambda msg: self.link.send(msg), delay_pull_s=delay_pull_s)
         self._pd: dict = {}  # request id -> handoff_receiver.Committed
         super().__init__(engine)
 
@@ -298,6 +299,10 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
     """Run `loop` on this thread with `link` on its IO thread until the rank must exit."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: link.stop(f"signal {signal.Signals(signum).name}"))
+    if faults_for(cfg.name).hang_before_hello:
+        log.warning("fault injected (%s): never saying Hello", FAULT_ENV)
+        while not link.stopped.wait(0.2):
+            pass
     link.start()
     try:
         loop.run(link)
@@ -328,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     backend.register(PAGES_REGION, pool.full, pool.full[0].numel() * pool.full.element_size())
     if pool.num_slots:
         backend.register(STATES_REGION, pool.swa, pool.swa[0].numel() * pool.swa.element_size())
-    peers = PeerSockets("decode", cfg.name, cfg.host)
-    loop = DecodeLoop(engine, backend, cfg.name, handoff.pull_deadline_s)
+    peers = PeerSockets("decode", cfg.name, cfg.host, secret=cfg.secret)
+    loop = DecodeLoop(engine, backend, cfg.name, handoff.pull_deadline_s, faults_for(cfg.name).delay_pull_s)
     link = RankLink(cfg, hello_for(cfg, engine_cfg, engine, peers.addr), loop.stats, peers)
     log.info("decode rank: peer socket %s, transfer %s", peers.addr, backend.kind)
     return serve(cfg, engine, loop, link, closers=(backend.close,))

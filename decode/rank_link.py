@@ -24,16 +24,18 @@ from typing import Callable
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from decode.config import RankConfig
 from decode.peer_link import PeerMessage, PeerSockets
+from pd_server.cluster_auth import handshake_failure, secure_client
 from pd_server.protocol.codec import Codec
 from pd_server.protocol.rank_router import Goodbye, Hello, RankStats
 from pd_server.protocol.router_rank import Abort, Generate, Peers, Ping, Reject, Shutdown, Welcome
 
 log = logging.getLogger(__name__)
 
-EXIT_REJECTED = 3  # the router refused this rank (version or model mismatch)
+EXIT_REJECTED = 3  # the router refused this rank (version or model mismatch, cluster secret)
 EXIT_NO_ROUTER = 4  # no Welcome in time, or the router went silent
 
 
@@ -65,6 +67,9 @@ class RankLink:
         self._dealer.setsockopt(zmq.SNDHWM, 0)
         self._dealer.setsockopt(zmq.RCVHWM, 0)
         self._dealer.setsockopt(zmq.LINGER, 500)  # let Goodbye leave on exit
+        secure_client(self._dealer, cfg.secret)
+        self._monitor = self._dealer.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self._dealer.connect(cfg.router_addr)
         self._enc = msgspec.msgpack.Encoder()  # engine thread
         self._thread = threading.Thread(target=self._run, name="rank-io", daemon=True)
@@ -104,6 +109,8 @@ class RankLink:
             self._dealer.send(Codec().encode(Goodbye(self.stop_reason)), zmq.DONTWAIT)
         except zmq.ZMQError:
             pass
+        self._dealer.disable_monitor()
+        self._monitor.close(linger=0)
         self._dealer.close()
         self._pull.close(linger=0)
         if self.peers is not None:
@@ -114,6 +121,7 @@ class RankLink:
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         peer_socks = set(self.peers.sockets) if self.peers is not None else set()
         for sock in peer_socks:
             poller.register(sock, zmq.POLLIN)
@@ -137,6 +145,11 @@ class RankLink:
             for sock in peer_socks & events.keys():
                 for pm in self.peers.recv(sock):
                     self.inbox.put(pm)
+            if self._monitor in events:
+                reason = handshake_failure(parse_monitor_message(self._monitor.recv_multipart())["event"], "client")
+                if reason:  # NOTE: ZeroMQ would retry forever; the secret will not change
+                    self.stop(f"router at {cfg.router_addr} refused this rank: {reason}", EXIT_REJECTED)
+                    break
             if self._dealer in events:
                 while True:
                     try:

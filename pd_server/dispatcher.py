@@ -21,6 +21,10 @@ PD ranks learn each other from `Peers` (every live prefill and decode rank with 
 address), sent after each one's Welcome and to all of them whenever one joins or dies.
 Everything runs on the event loop thread; the socket is a zmq.asyncio ROUTER whose sends
 never block (no high-water mark; ROUTER_MANDATORY turns a vanished peer into an error).
+Frames are size-bounded, and with a cluster secret the socket runs CURVE (cluster_auth.py):
+a peer without the secret never gets a frame through. A frame from an identity that never
+said an accepted Hello, or from a rank declared dead, is answered with Shutdown and otherwise
+ignored; a Hello from a process declared dead is refused.
 """
 from __future__ import annotations
 
@@ -32,7 +36,9 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from pd_server.cluster_auth import handshake_failure, secure_server, start_authenticator
 from pd_server.config import RouterConfig
 from pd_server.errors import APIError
 from pd_server.metrics import RouterMetrics, phase_durations
@@ -103,8 +109,10 @@ class Handle:
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: RankRegistry, policy: RoutingPolicy,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, secret: str = "") -> None:
+        """`secret`: the cluster secret ranks must prove (cluster_auth.py); "" admits any rank."""
         self.cfg = cfg
+        self.secret = secret
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
@@ -114,10 +122,14 @@ class Dispatcher:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._tasks: list[asyncio.Task] = []
+        self._auth = None  # ZAP handler thread, with a secret
 
     def bind(self) -> str:
         """Bind the rank socket (before ranks start); returns the resolved address."""
         s = self._sock
+        secure_server(s, self.secret)
+        if self.secret:
+            self._auth = start_authenticator(zmq.Context.shadow(self._ctx.underlying), self.secret)
         s.setsockopt(zmq.SNDHWM, 0)
         s.setsockopt(zmq.RCVHWM, 0)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -129,7 +141,8 @@ class Dispatcher:
     def start(self) -> None:
         """Start the receive and heartbeat loops on the running event loop."""
         self._tasks = [asyncio.create_task(self._recv_loop(), name="rank-recv"),
-                       asyncio.create_task(self._heartbeat_loop(), name="rank-heartbeat")]
+                       asyncio.create_task(self._heartbeat_loop(), name="rank-heartbeat"),
+                       asyncio.create_task(self._handshake_log(), name="rank-handshakes")]
 
     async def close(self, reason: str = "router shutting down") -> None:
         for rank in self.registry.live():
@@ -138,6 +151,8 @@ class Dispatcher:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._sock.close(linger=200)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     # ---- requests ------------------------------------------------------------------------
@@ -206,7 +221,24 @@ class Dispatcher:
                     break
                 self._on_frames(frames)
 
+    async def _handshake_log(self) -> None:
+        """Log connections refused at the handshake (no or another cluster secret)."""
+        mon = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        try:
+            while True:
+                event = parse_monitor_message(await mon.recv_multipart())
+                reason = handshake_failure(event["event"], "server")
+                if reason:
+                    log.warning("rank socket: %s", reason)
+        finally:
+            self._sock.disable_monitor()
+            mon.close(linger=0)
+
     def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:  # [identity, frame]: ranks send one frame per message
+            log.error("dropping a %d-part message from %r", len(frames), frames[0])
+            return
         try:
             self._on_frame(frames[0], frames[1])
         except Exception:  # noqa: BLE001 - one bad frame must not stop the loop

@@ -16,8 +16,15 @@
      Every rank gets a host KV cache of --hicache-size-gb GiB (0.25 by default here; 0 turns
      it off): prefix hits across requests, and what cache-aware routing routes by.
   3. Serve HTTP (uvicorn) until SIGINT/SIGTERM; /health turns 200 once every rank said Hello.
+     The supervisor (supervisor.py) watches the rank processes: removes the shared memory of
+     dead ones and, with --supervise, restarts them (--max-restarts, --restart-backoff-s).
+     A rank without Hello --rank-start-timeout-s after its start is marked dead.
+     --cluster-secret (or $PDSERVE_CLUSTER_SECRET): every rank socket runs ZeroMQ CURVE and
+     admits only ranks holding the secret (cluster_auth.py). --colocated 0 (no PD ranks):
+     the router alone, ranks started by hand join it.
   4. On the way out: Shutdown to every rank, wait a few seconds, then SIGTERM/SIGKILL any
-     that remain. Ranks also exit by themselves when the router goes silent.
+     that remain. Ranks also exit by themselves when the router goes silent (5 s), so a
+     killed launcher leaves nothing running.
 """
 from __future__ import annotations
 
@@ -26,12 +33,11 @@ import asyncio
 import logging
 import os
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 
 from decode.config import HandoffConfig
+from pd_server.cluster_auth import SECRET_ENV, cluster_secret_from_env
 from pd_server.cli_args import add_dataclass_args, from_args, opt
 from pd_server.config import RouterConfig
 
@@ -44,7 +50,8 @@ HOST_CACHE_GB = 0.25
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    colocated: int = opt(1, "colocated ranks to start (each prefills and decodes)")
+    colocated: int = opt(1, "colocated ranks to start (each prefills and decodes); 0 with no PD ranks: "
+                            "router only, ranks started by hand join at --rank-addr")
     prefill: int = opt(0, "prefill ranks (PD mode, with --decode; then --colocated is ignored)")
     decode: int = opt(0, "decode ranks (PD mode, with --prefill)")
     prefill_host: str = opt("127.0.0.1", "PD: the prefill ranks' --host (address they connect to decode ranks from)")
@@ -53,6 +60,13 @@ class LaunchConfig:
     fake_ranks: bool = opt(False, "start stand-in ranks (decode/fake_rank.py, no model) for router benchmarks/tests")
     fake_step_ms: float = opt(0.0, "with --fake-ranks: pause between their steps (0: as fast as they can)")
     rank_shutdown_s: float = opt(5.0, "how long ranks get to exit on shutdown before SIGKILL")
+    rank_start_timeout_s: float = opt(900.0, "a rank that has not said Hello this long after it started is "
+                                             "marked dead in /health (0: wait forever)")
+    supervise: bool = opt(False, "restart a rank that died (exited, hung, or never became ready)")
+    max_restarts: int = opt(3, "with --supervise: restarts per rank name, then it stays dead")
+    restart_backoff_s: float = opt(1.0, "with --supervise: wait before a restart, doubled per restart of that rank")
+    cluster_secret: str = opt("", "shared secret every rank must prove (ZeroMQ CURVE on rank sockets); "
+                                  "default $PDSERVE_CLUSTER_SECRET, passed to the ranks in their environment")
 
     def __post_init__(self) -> None:
         if min(self.colocated, self.prefill, self.decode) < 0:
@@ -61,6 +75,8 @@ class LaunchConfig:
             raise ValueError("PD mode needs both --prefill N and --decode M (N, M >= 1)")
         if self.pd and self.fake_ranks:
             raise ValueError("--fake-ranks runs colocated stand-ins only")
+        if self.rank_start_timeout_s < 0 or self.max_restarts < 0 or self.restart_backoff_s < 0:
+            raise ValueError("rank_start_timeout_s, max_restarts and restart_backoff_s must be >= 0")
 
     @property
     def pd(self) -> bool:
@@ -95,59 +111,6 @@ def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router
     return cmd
 
 
-def spawn_ranks(engine_cfg, launch: LaunchConfig, router_addr: str, registry,
-                handoff: HandoffConfig | None = None) -> list[subprocess.Popen]:
-    procs = []
-    if launch.run_dir:
-        Path(launch.run_dir).mkdir(parents=True, exist_ok=True)
-    for role, count in launch.roles:
-        for i in range(count):
-            log_file = None
-            if launch.run_dir:
-                log_file = open(Path(launch.run_dir) / f"rank-{role}-{i}.log", "ab")  # noqa: SIM115 - child owns it
-            cmd = rank_command(engine_cfg, launch, role, i, router_addr, handoff)
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file,
-                                    stderr=subprocess.STDOUT if log_file else None)
-            if log_file:
-                log_file.close()
-            registry.expect(role, i, proc)
-            procs.append(proc)
-            log.info("started %s-%d (pid %d)", role, i, proc.pid)
-    return procs
-
-
-def reap(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """Wait for ranks to exit; SIGTERM then SIGKILL the ones that do not; then remove the
-    shared-memory files of ranks that could not (killed ranks leave them behind)."""
-    for sig, wait in ((None, grace_s), (signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
-        alive = [p for p in procs if p.poll() is None]
-        if not alive:
-            break
-        for p in alive:
-            if sig is not None:
-                p.send_signal(sig)
-        for p in alive:
-            try:
-                p.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                pass
-    remove_rank_shm([p.pid for p in procs if p.poll() is not None])
-
-
-def remove_rank_shm(pids: list[int], shm_dir: Path = Path("/dev/shm")) -> list[Path]:
-    """Unlink the files a rank names with its pid (handoff pools `pdserve-handoff-<rank>-<pid>-*`,
-    default host caches `pdserve-hicache-<pid>-*`) for ranks that exited. Returns what it removed."""
-    removed = []
-    for pid in pids:
-        for pattern in (f"pdserve-handoff-*-{pid}-*", f"pdserve-hicache-{pid}-*"):
-            for f in shm_dir.glob(pattern):
-                f.unlink(missing_ok=True)
-                removed.append(f)
-    if removed:
-        log.info("removed %d shared-memory file(s) left by exited ranks", len(removed))
-    return removed
-
-
 async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, model_name: str,
                 handoff: HandoffConfig | None = None) -> None:
     """Run the router and its ranks until a signal; `model_name` is the served id."""
@@ -160,14 +123,23 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
     from pd_server.ranks import RankRegistry
     from pd_server.routing import make_policy
     from pd_server.serving import ServerContext
+    from pd_server.supervisor import Supervisor
 
     from engine.model_cache import served_name
 
     registry, metrics = RankRegistry(served_name(engine_cfg.model)), RouterMetrics()
-    dispatcher = Dispatcher(cfg, registry, make_policy(cfg.routing_policy), metrics)
+    dispatcher = Dispatcher(cfg, registry, make_policy(cfg.routing_policy), metrics,
+                            secret=launch.cluster_secret)
     addr = dispatcher.bind()
-    log.info("rank socket at %s", addr)
-    procs = spawn_ranks(engine_cfg, launch, addr, registry, handoff)
+    log.info("rank socket at %s%s", addr, " (CURVE, cluster secret)" if launch.cluster_secret else "")
+    sup = Supervisor(registry, lambda role, i: rank_command(engine_cfg, launch, role, i, addr, handoff),
+                     launch.run_dir, launch.max_restarts if launch.supervise else 0, launch.restart_backoff_s,
+                     launch.rank_start_timeout_s)
+    for role, count in launch.roles:
+        for i in range(count):
+            sup.start(role, i)
+    if not launch.num_ranks:
+        log.info("router only: ranks join by connecting to %s", addr)
     ctx = ServerContext(cfg, model_name, frozenset({model_name, engine_cfg.model}), tokenizer,
                         ChatRenderer(tokenizer), registry, dispatcher, metrics)
     server = uvicorn.Server(uvicorn.Config(build_app(ctx), host=cfg.host, port=cfg.port, log_level="warning",
@@ -177,12 +149,14 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     dispatcher.start()
+    watch = asyncio.create_task(sup.run(), name="supervisor")
     log.info("serving %s on http://%s:%d with %d rank(s)", model_name, cfg.host, cfg.port, launch.num_ranks)
     try:
         await server.serve()
     finally:
+        watch.cancel()
         await dispatcher.close()
-        await asyncio.to_thread(reap, procs, launch.rank_shutdown_s)
+        await asyncio.to_thread(sup.reap, launch.rank_shutdown_s)
         log.info("stopped")
 
 
@@ -204,14 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if launch.num_ranks < 1:
-        print("error: start at least one rank (--colocated N, or --prefill N --decode M)", file=sys.stderr)
-        return EXIT_USAGE
+    if not launch.cluster_secret and cluster_secret_from_env():
+        launch = replace(launch, cluster_secret=cluster_secret_from_env())
+    if launch.cluster_secret:
+        os.environ[SECRET_ENV] = launch.cluster_secret  # the ranks' environment, not their argv
+    elif not cfg.rank_addr.startswith(("ipc://", "tcp://127.")):
+        log.warning("rank socket %s is reachable beyond this host and no --cluster-secret is set: anyone who "
+                    "reaches it can join as a rank", cfg.rank_addr)
     if launch.pd:
         log.info("PD mode: %d prefill + %d decode rank(s), transfer %s, handoff lease %.1fs", launch.prefill,
                  launch.decode, handoff.transfer, handoff.handoff_lease_s)
     if engine_cfg.num_threads == 0:
-        engine_cfg = replace(engine_cfg, num_threads=max(1, (os.cpu_count() or 1) // launch.num_ranks))
+        engine_cfg = replace(engine_cfg, num_threads=max(1, (os.cpu_count() or 1) // max(1, launch.num_ranks)))
     log.info("%d rank(s), %d torch thread(s) each", launch.num_ranks, engine_cfg.num_threads)
 
     from transformers import AutoTokenizer

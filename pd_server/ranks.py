@@ -3,9 +3,12 @@
 Pure bookkeeping, no sockets (dispatcher.py does the IO), so it is unit-tested directly.
 A rank's states:
     loading --Hello accepted--> ready --silent past the timeout / process gone / Goodbye--> dead
+    loading --no Hello within its start timeout / process gone--> dead
 Expected ranks (the ones the launcher started) are listed from the start as `loading`;
-a rank may also join later by saying Hello (started by hand). Dead is final: a rank that
-speaks again after being declared dead is told to shut down, since its requests failed.
+a rank may also join later by saying Hello (started by hand). Dead is final for the process:
+one that speaks again after being declared dead (a hung rank that wakes up) is told to shut
+down, and its Hello is refused, since its requests failed. The launcher's supervisor may
+start a new process under the same name (`expect` again): a fresh rank with a new identity.
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ class Rank:
     process: subprocess.Popen | None = field(default=None, repr=False)  # when the launcher started it
     routed: int = 0  # requests sent to it, ever
     cache: RankCacheIndex | None = None  # what its host cache holds (ranks that prefill, with one)
+    ready_by: float = 0.0  # monotonic deadline for its Hello (launcher-started ranks); 0: none
+    restarts: int = 0  # processes started under this name before this one (the launcher's supervisor)
 
     @property
     def name(self) -> str:
@@ -50,7 +55,7 @@ class Rank:
         s = self.stats
         return {
             "name": self.name, "role": self.role, "index": self.index, "pid": self.pid, "state": self.state,
-            "inflight": len(self.inflight), "routed": self.routed,
+            "inflight": len(self.inflight), "routed": self.routed, "restarts": self.restarts,
             "running": s.running if s else 0, "waiting": s.waiting if s else 0,
             "pages_used": s.pages_used if s else 0, "pages_total": s.pages_total if s else 0,
             "handoffs": s.handoffs if s else 0, "handoff_pages_used": s.handoff_pages_used if s else 0,
@@ -66,9 +71,15 @@ class RankRegistry:
         self.ranks: dict[str, Rank] = {}  # by name, in the order they became known
         self._by_identity: dict[bytes, Rank] = {}
 
-    def expect(self, role: str, index: int, process: subprocess.Popen | None = None) -> Rank:
-        """Register a rank the launcher started; it shows as loading until its Hello."""
-        rank = Rank(role, index, pid=process.pid if process else None, process=process)
+    def expect(self, role: str, index: int, process: subprocess.Popen | None = None,
+               ready_by: float = 0.0) -> Rank:
+        """Register a rank the launcher started; it shows as loading until its Hello, and is
+        found dead when no Hello came by `ready_by` (monotonic; 0: waits forever). A name
+        already known (a restart) gets a fresh entry: the old process's identity stays mapped
+        to the old, dead entry, so what it still sends is refused."""
+        old = self.ranks.get(f"{role}-{index}")
+        rank = Rank(role, index, pid=process.pid if process else None, process=process, ready_by=ready_by,
+                    restarts=old.restarts + 1 if old is not None else 0)
         self.ranks[rank.name] = rank
         return rank
 
@@ -82,6 +93,9 @@ class RankRegistry:
         if hello.model != self.model:
             return Reject(f"rank serves model {hello.model!r}, this router serves {self.model!r}")
         name = f"{hello.role}-{hello.index}"
+        known = self._by_identity.get(identity)
+        if known is not None and known.state == DEAD:  # a hung process woke up after its restart
+            return Reject(f"this process was declared dead as {name} ({known.dead_reason}); exit")
         rank = self.ranks.get(name)
         if rank is not None and rank.state == DEAD:
             return Reject(f"{name} was declared dead ({rank.dead_reason}); start it under a new index")
@@ -120,16 +134,20 @@ class RankRegistry:
                 out.append((rank, f"{rank.name} (pid {rank.pid}) exited with code {code}"))
             elif rank.state == READY and now - rank.last_seen > timeout_s:
                 out.append((rank, f"{rank.name} (pid {rank.pid}) silent for {now - rank.last_seen:.1f}s"))
+            elif rank.state == LOADING and rank.ready_by and now > rank.ready_by:
+                out.append((rank, f"{rank.name} (pid {rank.pid}) did not become ready within its start timeout "
+                                  "(still loading; see its log)"))
         return out
 
     @property
     def status(self) -> str:
         """loading: an expected rank has not said Hello yet (requests still go to live ranks);
-        ok: none is loading and at least one lives; unavailable: none lives."""
-        states = [r.state for r in self.ranks.values()]
-        if LOADING in states:
+        ok: none is loading and at least one lives; unavailable: none lives. A restarted rank
+        that is loading again counts as ok while another lives (it was up before)."""
+        if any(r.state == LOADING and not r.restarts for r in self.ranks.values()):
             return "loading"
-        return "ok" if READY in states else "unavailable"
+        states = {r.state for r in self.ranks.values()}
+        return "ok" if READY in states else "loading" if LOADING in states else "unavailable"
 
     @property
     def max_model_len(self) -> int:

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = make_transfer(handoff, cfg)
     sender.register(backend)
     peer_hello = PeerHello(PROTOCOL_VERSION, cfg.name, os.getpid(), backend.kind, backend.metadata())
-    peers = PeerSockets("prefill", cfg.name, cfg.host, peer_hello)
+    peers = PeerSockets("prefill", cfg.name, cfg.host, peer_hello, secret=cfg.secret)
     loop = PrefillLoop(engine, sender)
     link = RankLink(cfg, hello_for(cfg, engine_cfg, engine), loop.stats, peers)
     return serve(cfg, engine, loop, link, closers=(backend.close, sender.close))

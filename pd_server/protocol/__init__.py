@@ -28,5 +28,12 @@ from typing import Literal
 # CacheEvents message (host-cache store/evict events for cache-aware routing).
 PROTOCOL_VERSION = 3
 
+# ZMQ_MAXMSGSIZE of every socket that takes frames from another process (pd_server/cluster_auth.py).
+# The largest legitimate frames: a Generate or Handoff of a 1M-token prompt (<= 5 bytes per id in
+# msgpack: ~5 MiB), a CacheEvents evicting 1M host pages in one step (17 bytes per key: ~17 MiB),
+# a TokenBatch of 1k sequences with 20 top logprobs (~1 MiB). A bigger frame is a bug or an
+# attack: ZeroMQ drops the connection it came on rather than buffering it.
+MAX_FRAME_BYTES = 64 * 2**20
+
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")

@@ -1,0 +1,339 @@
+"""Faults on real started systems: hung ranks, ranks that never load, the supervisor, a router
+or launcher that dies under its ranks, kills inside the KV-transfer window, backpressure.
+
+Stand-in ranks (decode/fake_rank.py) where the router's behaviour is the point, real ranks
+(the embedded model, 1 thread, small KV) where pages, shared memory and transfers are.
+Kills of a decode rank while it streams and of a prefill rank while it prefills are in
+test_e2e_pd.py; fault windows are widened with $PDSERVE_FAULT (decode/faults.py).
+Every wait is bounded; "fast" means within 10 s on a loaded machine (timeout 3 s + heartbeats).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import ROOT, free_port, start_system, stop_system
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+FAKE = ["--fake-ranks", "--fake-step-ms", "20", "--model", MODEL]
+REAL = ["--model", MODEL, "--num-threads", "1", "--max-num-seqs", "8"]
+FAST_S = 10.0
+
+
+def stream_until_end(system, body: dict, on_first=None, timeout: float = 60) -> tuple[str, dict]:
+    """Stream a completion to its end; `on_first(headers)` runs after the first token. Returns
+    (the whole SSE text, response headers)."""
+    with httpx.stream("POST", system.url + "/v1/completions", timeout=timeout,
+                      json={"model": MODEL, "temperature": 0, "stream": True, **body}) as r:
+        assert r.status_code == 200, r.read()
+        lines = r.iter_lines()
+        out = [next(lines)]
+        if on_first is not None:
+            on_first(r.headers)
+        out += list(lines)
+    return "\n".join(out), dict(r.headers)
+
+
+def complete(system, body: dict, timeout: float = 120) -> httpx.Response:
+    return httpx.post(system.url + "/v1/completions", timeout=timeout,
+                      json={"model": MODEL, "temperature": 0, **body})
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie child of the launcher counts as gone once it exited.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def shm_of(pid: int) -> list[Path]:
+    return [*Path("/dev/shm").glob(f"pdserve-*-{pid}-*")]
+
+
+def idle(system) -> bool:
+    return all(r["pages_used"] == 0 and r["handoff_pages_used"] == 0 and r["handoffs"] == 0
+               and r["inflight"] == 0 and r["running"] == 0 and r["waiting"] == 0
+               for r in system.ranks().values() if r["state"] == "ready")
+
+
+# ---- stand-in ranks --------------------------------------------------------------------------------
+@pytest.fixture
+def fake2(tmp_path):
+    system = start_system(tmp_path, [*FAKE, "--colocated", "2", "--routing-policy", "round-robin"], timeout=120)
+    try:
+        yield system
+    finally:
+        stop_system(system)
+
+
+def test_hung_rank_fails_its_stream_fast_and_is_told_to_exit_when_it_wakes(fake2):
+    stopped = {}
+
+    def stop_it(headers):
+        name = headers["x-pdserve-rank"]
+        stopped.update(name=name, pid=fake2.ranks()[name]["pid"], t=time.monotonic())
+        os.kill(stopped["pid"], signal.SIGSTOP)
+
+    try:
+        text, _ = stream_until_end(fake2, {"prompt": "hi", "max_tokens": 5000}, on_first=stop_it)
+        took = time.monotonic() - stopped["t"]
+        assert '"error"' in text and f"rank {stopped['name']} died" in text and "silent" in text
+        assert text.rstrip().endswith("data: [DONE]") and took < FAST_S
+        status, body = fake2.health()
+        hung = {r["name"]: r for r in body["ranks"]}[stopped["name"]]
+        assert status == 200 and hung["state"] == "dead" and "silent" in hung["error"]
+        for _ in range(2):  # the other rank serves
+            r = complete(fake2, {"prompt": "hi", "max_tokens": 3})
+            assert r.status_code == 200 and r.headers["x-pdserve-rank"] != stopped["name"]
+    finally:
+        if stopped:
+            os.kill(stopped["pid"], signal.SIGCONT)
+    # Woken up, it speaks with stale state: the router answers Shutdown and it exits.
+    fake2.wait_until(lambda: pid_gone(stopped["pid"]), FAST_S, "the woken rank to exit")
+    log = (fake2.log_dir / f"rank-{stopped['name']}.log").read_text()
+    assert "router asked to shut down" in log or "router silent" in log
+    assert fake2.ranks()[stopped["name"]]["state"] == "dead"  # it did not rejoin
+    fake2.wait_until(lambda: idle(fake2), FAST_S, "the survivor idle")
+
+
+def test_rank_that_never_becomes_ready_is_marked_dead_and_the_rest_serve(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_FAULT", "colocated-1:hang_before_hello")
+    t0 = time.monotonic()
+    system = start_system(tmp_path, [*FAKE, "--colocated", "2", "--rank-start-timeout-s", "4"], timeout=60)
+    try:
+        assert time.monotonic() - t0 >= 4  # /health said loading until the timeout
+        ranks = system.ranks()
+        assert ranks["colocated-0"]["state"] == "ready"
+        assert ranks["colocated-1"]["state"] == "dead" and "did not become ready" in ranks["colocated-1"]["error"]
+        r = complete(system, {"prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.headers["x-pdserve-rank"] == "colocated-0"
+        assert "never saying Hello" in (system.log_dir / "rank-colocated-1.log").read_text()
+    finally:
+        stop_system(system)
+
+
+def test_supervisor_restarts_a_killed_rank_until_its_limit(tmp_path):
+    system = start_system(tmp_path, [*FAKE, "--colocated", "2", "--routing-policy", "round-robin", "--supervise",
+                                     "--max-restarts", "1", "--restart-backoff-s", "0.5"], timeout=120)
+    try:
+        old = system.ranks()["colocated-0"]["pid"]
+        os.kill(old, signal.SIGKILL)
+        system.wait_until(lambda: (r := system.ranks()["colocated-0"])["state"] == "ready" and r["pid"] != old,
+                          30, "colocated-0 restarted")
+        assert system.ranks()["colocated-0"]["restarts"] == 1 and system.health()[0] == 200
+        served = {complete(system, {"prompt": "hi", "max_tokens": 3}).headers["x-pdserve-rank"] for _ in range(4)}
+        assert served == {"colocated-0", "colocated-1"}  # round-robin reaches the restarted rank
+        again = system.ranks()["colocated-0"]["pid"]
+        os.kill(again, signal.SIGKILL)  # its one restart is used up
+        system.wait_until(lambda: system.ranks()["colocated-0"]["state"] == "dead", FAST_S, "colocated-0 dead")
+        time.sleep(2)
+        assert system.ranks()["colocated-0"]["state"] == "dead" and system.ranks()["colocated-0"]["pid"] == again
+        assert complete(system, {"prompt": "hi", "max_tokens": 3}).headers["x-pdserve-rank"] == "colocated-1"
+    finally:
+        stop_system(system)
+
+
+def _router_only(tmp: Path, rank_addr: str, extra=()) -> subprocess.Popen:
+    port = free_port()
+    log = open(tmp / f"router-{port}.log", "wb")  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen([sys.executable, "-m", "pd_server.launch", "--colocated", "0", "--model", MODEL,
+                             "--port", str(port), "--rank-addr", rank_addr, *extra], cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (tmp / f"router-{port}.log").read_text()
+        try:
+            httpx.get(proc.url + "/health", timeout=2)  # type: ignore[attr-defined]
+            return proc
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    raise AssertionError("router did not come up")
+
+
+def _health(proc) -> dict:
+    return httpx.get(proc.url + "/health", timeout=5).json()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+
+
+def test_router_restart_under_standalone_ranks_leaves_nothing_behind(tmp_path):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    routers, ranks = [_router_only(tmp_path, addr)], []
+    try:
+        rank_log = open(tmp_path / "rank.log", "wb")  # noqa: SIM115
+        ranks.append(subprocess.Popen([sys.executable, "-m", "decode.fake_rank", "--router-addr", addr, "--index", "0"],
+                                      cwd=ROOT, stdin=subprocess.DEVNULL, stdout=rank_log, stderr=subprocess.STDOUT))
+        rank_log.close()
+        deadline = time.monotonic() + 30
+        while _health(routers[0])["status"] != "ok":
+            assert time.monotonic() < deadline, _health(routers[0])
+            time.sleep(0.2)
+        routers[0].kill()  # kill -9: no Shutdown reaches the rank
+        routers[0].wait(timeout=10)
+        routers.append(_router_only(tmp_path, addr))
+        t0 = time.monotonic()
+        ranks[0].wait(timeout=15)  # exits cleanly (stale frames answered by Shutdown, or the router silent)
+        assert ranks[0].returncode in (0, 4) and time.monotonic() - t0 < 15
+        log = (tmp_path / "rank.log").read_text()
+        assert "router asked to shut down" in log or "router silent" in log
+        assert _health(routers[1])["ranks"] == []  # the new router has no stale rank
+    finally:
+        for p in ranks + routers:
+            _kill(p)
+
+
+def test_killed_launcher_takes_its_ranks_and_their_shared_memory_along(tmp_path):
+    system = start_system(tmp_path, [*REAL, "--colocated", "1", "--kv-cache-gb", "0.05", "--hicache-size-gb", "0.02"],
+                          timeout=300)
+    try:
+        pid = system.ranks()["colocated-0"]["pid"]
+        assert shm_of(pid), "the rank's host cache should live in /dev/shm"
+        os.kill(system.proc.pid, signal.SIGKILL)  # the launcher only, not its group
+        system.proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while not pid_gone(pid):
+            assert time.monotonic() < deadline, "the rank outlived its launcher by 15 s"
+            time.sleep(0.2)
+        assert not shm_of(pid)
+    finally:
+        stop_system(system)
+
+
+# ---- PD, real ranks, supervised ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pd_sup(tmp_path_factory):
+    # Every KV read waits 3 s (the handoff stays pinned in the prefill rank's pool meanwhile).
+    os.environ["PDSERVE_FAULT"] = "decode-0:delay_pull:3,decode-1:delay_pull:3"
+    try:
+        system = start_system(tmp_path_factory.mktemp("pd-sup"),
+                              [*REAL, "--prefill", "1", "--decode", "2", "--transfer", "shm", "--hicache-size-gb", "0",
+                               "--kv-cache-gb", "0.1", "--handoff-pool-gb", "0.05", "--supervise",
+                               "--max-restarts", "3", "--restart-backoff-s", "0.5"], timeout=420)
+    finally:
+        del os.environ["PDSERVE_FAULT"]
+    try:
+        yield system
+    finally:
+        stop_system(system)
+
+
+def _restarted(system, name: str, old_pid: int) -> bool:
+    r = system.ranks()[name]
+    return r["state"] == "ready" and r["pid"] != old_pid
+
+
+def _kill_in_transfer_window(system, target_role: str) -> tuple[str, str, int, float]:
+    """A request whose first token is out and whose KV waits to be pulled; kill -9 the rank of
+    `target_role` holding it. Returns (SSE text, killed rank name, its pid, seconds to the end)."""
+    killed = {}
+
+    def kill(headers):
+        name = headers["x-pdserve-rank"] if target_role == "prefill" else headers["x-pdserve-decode-rank"]
+        system.wait_until(lambda: system.ranks()["prefill-0"]["handoffs"] > 0, 5, "the handoff pinned")
+        pid = system.ranks()[name]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed.update(name=name, pid=pid, t=time.monotonic())
+
+    text, _ = stream_until_end(system, {"prompt": "Once upon a time " * 20, "max_tokens": 16}, on_first=kill)
+    return text, killed["name"], killed["pid"], time.monotonic() - killed["t"]
+
+
+def test_decode_rank_killed_during_kv_transfer_then_restarted_serves(pd_sup):
+    text, name, pid, took = _kill_in_transfer_window(pd_sup, "decode")
+    assert '"error"' in text and name in text and took < FAST_S, text
+    pd_sup.wait_until(lambda: _restarted(pd_sup, name, pid), 120, f"{name} restarted")
+    assert not shm_of(pid)
+    pd_sup.wait_until(lambda: idle(pd_sup), FAST_S, "prefill pins released")
+    seen = set()
+    for _ in range(2):  # the restarted rank has routed 0: it is picked first; Peers re-introduced it
+        r = complete(pd_sup, {"prompt": "The capital of France is", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        seen.add(r.headers["x-pdserve-decode-rank"])
+    assert name in seen
+
+
+def test_prefill_rank_killed_during_kv_transfer_then_restarted_serves(pd_sup):
+    text, name, pid, took = _kill_in_transfer_window(pd_sup, "prefill")
+    assert '"error"' in text and "prefill-0" in text and took < FAST_S, text
+    pd_sup.wait_until(lambda: _restarted(pd_sup, name, pid), 120, f"{name} restarted")
+    assert not shm_of(pid)  # its handoff pool, removed by the supervisor
+    r = complete(pd_sup, {"prompt": "The capital of France is", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    pd_sup.wait_until(lambda: idle(pd_sup), FAST_S, "every rank idle")
+
+
+def test_hung_decode_rank_is_killed_and_replaced_by_the_supervisor(pd_sup):
+    stopped = {}
+
+    def stop_it(headers):
+        name = headers["x-pdserve-decode-rank"]
+        pd_sup.wait_until(lambda: pd_sup.ranks()[name]["running"] > 0, 20, "decoding started")
+        stopped.update(name=name, pid=pd_sup.ranks()[name]["pid"], t=time.monotonic())
+        os.kill(stopped["pid"], signal.SIGSTOP)
+
+    text, _ = stream_until_end(pd_sup, {"prompt": "Tell me a story", "max_tokens": 2000, "ignore_eos": True},
+                               on_first=stop_it)
+    assert '"error"' in text and "silent" in text and time.monotonic() - stopped["t"] < FAST_S, text
+    pd_sup.wait_until(lambda: pid_gone(stopped["pid"]), FAST_S, "the hung rank killed")
+    pd_sup.wait_until(lambda: _restarted(pd_sup, stopped["name"], stopped["pid"]), 120, "the hung rank replaced")
+    pd_sup.wait_until(lambda: idle(pd_sup), FAST_S, "every rank idle")
+    r = complete(pd_sup, {"prompt": "The capital of France is", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+# ---- backpressure ------------------------------------------------------------------------------------
+def test_full_queues_and_pools_answer_429_or_503_and_never_lose_a_request(tmp_path):
+    # Decode KV of ~28 pages (~450 tokens) for requests of ~11 pages each, a handoff pool of ~3
+    # prompts, a host cache that evicts, and room for 3 requests per rank at the router.
+    system = start_system(tmp_path, [*REAL, "--prefill", "1", "--decode", "1", "--transfer", "shm",
+                                     "--kv-cache-gb", "0.01", "--handoff-pool-gb", "0.01", "--hicache-size-gb", "0.005",
+                                     "--max-inflight-per-rank", "3", "--handoff-lease-s", "20"], timeout=300)
+    results: list[tuple[int, dict]] = []
+
+    def one(i: int) -> None:
+        words = " ".join(f"w{i}x{j}" for j in range(25))  # ~120 tokens, distinct prompts: the host cache fills and evicts
+        r = complete(system, {"prompt": words, "max_tokens": 40, "ignore_eos": True}, timeout=150)
+        results.append((r.status_code, r.json()))
+
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=160)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        codes = sorted(c for c, _ in results)
+        assert len(results) == 10 and set(codes) <= {200, 429, 503}, results
+        assert 429 in codes and 200 in codes, codes
+        for code, body in results:
+            if code == 200:
+                assert body["usage"]["completion_tokens"] == 40 and body["choices"][0]["finish_reason"] == "length"
+            else:
+                assert body["error"]["message"] and body["error"]["type"]
+        assert all(r["state"] == "ready" for r in system.ranks().values())  # nothing crashed
+        system.wait_until(lambda: idle(system), FAST_S, "both ranks idle")
+        r = complete(system, {"prompt": "The capital of France is", "max_tokens": 4})
+        assert r.status_code == 200
+    finally:
+        stop_system(system)
