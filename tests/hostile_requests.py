@@ -125,7 +125,8 @@ def field_table(lim: Limits, path: str) -> dict[str, list]:
                           [weather_tool(parameters=[1, 2])], [weather_tool(5)],
                           [weather_tool(f"f{i}") for i in range(lim.max_tools + 1)],
                           [weather_tool(parameters={"description": "z" * lim.max_tool_schema_bytes})]],
-                "tool_choice": ["sometimes", 5, [], {"type": "function"}, {"type": "function", "function": {"name": "nope"}}],
+                "tool_choice": ["sometimes", 5, [], {"type": "function"},
+                                {"type": "function", "function": {"name": "nope"}}],
                 "response_format": [{"type": "xml"}, "json", 5, {}, {"type": "json_schema", "json_schema": 5}],
                 "parallel_tool_calls": NOT_A_BOOL}
     return {**shared,
@@ -144,11 +145,14 @@ def _request(path: str, body: object, name: str, **kw) -> Hostile:
 def catalogue(lim: Limits) -> list[Hostile]:
     """Fixed cases: whole-body attacks, then every entry of both field tables, each once."""
     raw = [b"", b"{", b"not json", b"[]", b"null", b"42", b'"text"', b"\xff\xfe\xfd\x00",
-           b'{"model": "m", "prompt": "\xff\xfe"}', b'{"model": "m", "messages": [{"role": "user", "content": "\xc3"}]}',
-           b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+           b'{"model": "m", "prompt": "\xff\xfe"}',
+           b'{"model": "m", "messages": [{"role": "user", "content": "\xc3"}]}',
+           b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}",
+           b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
            b'{"prompt": "a", "n": 1, "n": 1000}', b'{"prompt": "a"} trailing', b"{'prompt': 'single quotes'}",
            b'{"prompt": "\\ud800 lone surrogate", "max_tokens": 1, "bad": }']
     out = [Hostile(f"raw {i} to {path}", path, body) for path in (CHAT, COMPLETIONS) for i, body in enumerate(raw)]
+    too_many = lim.max_messages + 1
     out += [
         Hostile("json as text/plain", COMPLETIONS, json.dumps(valid_completion(lim.model) | {"n": 0}).encode(),
                 headers={"content-type": "text/plain"}),
@@ -170,7 +174,7 @@ def catalogue(lim: Limits) -> list[Hostile]:
                  param="n"),
         _request(COMPLETIONS, {**valid_completion(lim.model), "max_tokens": lim.max_tokens_limit + 1},
                  "max_tokens past its limit", status=400, param="max_tokens"),
-        _request(CHAT, {**valid_chat(lim.model), "messages": [{"role": "user", "content": "x"}] * (lim.max_messages + 1)},
+        _request(CHAT, {**valid_chat(lim.model), "messages": [{"role": "user", "content": "x"}] * too_many},
                  "messages past --max-messages", status=400, param="messages"),
         _request(COMPLETIONS, {**valid_completion(lim.model), "prompt": ["a"] * (lim.max_prompts + 1)},
                  "prompts past --max-prompts", status=400, param="prompt"),
@@ -215,7 +219,8 @@ def _nested_tool(lim: Limits, depth: int) -> bytes:
     schema = '{"type": "object", "properties": {"x": ' * depth + '{"type": "string"}' + "}}" * depth
     long = [{"role": "user", "content": "word " * (lim.context + 8)}]
     head = json.dumps({**valid_chat(lim.model), "messages": long, "tools": "@"})
-    return head.replace('"@"', '[{"type": "function", "function": {"name": "f", "parameters": ' + schema + "}}]").encode()
+    tool = '[{"type": "function", "function": {"name": "f", "parameters": ' + schema + "}}]"
+    return head.replace('"@"', tool).encode()
 
 
 def _short(value: object) -> str:

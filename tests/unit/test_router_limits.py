@@ -106,7 +106,8 @@ def test_api_key_comes_from_the_flag_else_the_environment():
 def test_key_matches():
     key = KEY.encode()
     assert key_matches(b"Bearer " + key, key) and key_matches(b"BEARER " + key, key)
-    for header in (None, b"", b"Bearer", b"Bearer ", key, b"Token " + key, b"Bearer " + key[:-1], b"Bearer " + key + b"0"):
+    for header in (None, b"", b"Bearer", b"Bearer ", key, b"Token " + key, b"Bearer " + key[:-1],
+                   b"Bearer " + key + b"0"):
         assert not key_matches(header, key), header
 
 

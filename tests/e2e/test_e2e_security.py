@@ -1,0 +1,110 @@
+"""Access control and request limits on a real router (2 stand-in ranks, no model): --api-key
+and $PDSERVE_API_KEY through the official openai client, /health and /metrics open, the key in
+no log, and every request limit flag answered 400 (413 for the body) naming its field."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from conftest import MODEL, start_system, stop_system
+
+KEY = "sk-e2e-4f1c9a7d2b"
+ENV_KEY = "sk-e2e-from-the-environment"
+FAKE = ["--fake-ranks", "--fake-step-ms", "5", "--colocated", "2", "--model", MODEL]
+LIMITS = ["--max-body-bytes", "8192", "--max-n", "2", "--max-messages", "3", "--max-tokens-limit", "50",
+          "--max-stop", "2", "--max-stop-chars", "8", "--max-tools", "1", "--max-tool-schema-bytes", "300",
+          "--max-prompts", "2"]
+
+
+@pytest.fixture(scope="module")
+def keyed_system(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.delenv("PDSERVE_API_KEY", raising=False)
+    system = start_system(tmp_path_factory.mktemp("keyed"), [*FAKE, "--api-key", KEY, *LIMITS], timeout=120)
+    try:
+        yield system
+    finally:
+        stop_system(system)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def client(system, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=system.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def check_key(system, key: str) -> None:
+    """401 without the key and with a wrong one (openai client and raw), 200 with it, probes open."""
+    for wrong in ("wrong", key + "x", key[:-1]):
+        with client(system, wrong) as c, pytest.raises(openai.AuthenticationError) as e:
+            c.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        err = e.value.response.json()["error"]
+        assert err["code"] == "invalid_api_key" and err["type"] == "authentication_error"
+        assert set(err) == {"message", "type", "param", "code"}
+    for path in ("/v1/models", "/v1/chat/completions", "/v1/completions"):
+        resp = httpx.request("GET" if path == "/v1/models" else "POST", system.url + path, json={}, timeout=10)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", resp.text
+    with client(system, key) as c:
+        out = c.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+        chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert chat.choices[0].finish_reason == "length"
+        assert [m.id for m in c.models.list().data] == [MODEL]
+    assert httpx.get(system.url + "/health", timeout=10).status_code == 200
+    metrics = httpx.get(system.url + "/metrics", timeout=10).text
+    assert 'endpoint="/v1/completions",status="401"' in metrics
+    logs = "\n".join(f.read_text(errors="replace") for f in system.log_dir.glob("*.log"))
+    assert key not in logs
+
+
+def test_api_key_flag(keyed_system):
+    check_key(keyed_system, KEY)
+
+
+def test_api_key_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEY", ENV_KEY)  # the launcher inherits it; no --api-key
+    system = start_system(tmp_path, FAKE, timeout=120)
+    try:
+        check_key(system, ENV_KEY)
+    finally:
+        stop_system(system)
+
+
+MSG = {"role": "user", "content": "hi"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path,fields,param", [
+    ("/v1/completions", {"n": 3}, "n"),
+    ("/v1/completions", {"max_tokens": 51}, "max_tokens"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt"),
+    ("/v1/completions", {"stop": ["a", "b", "c"]}, "stop"),
+    ("/v1/completions", {"stop": "123456789"}, "stop"),
+    ("/v1/chat/completions", {"max_completion_tokens": 51}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [MSG] * 4}, "messages"),
+    ("/v1/chat/completions", {"tools": [TOOL, TOOL]}, "tools"),
+    ("/v1/chat/completions", {"tools": [{**TOOL, "function": {"name": "f", "description": "d" * 300}}]},
+     "tools.0.function"),
+])
+def test_each_limit_is_400_naming_its_field(keyed_system, path, fields, param):
+    body = {"model": MODEL, "max_tokens": 2, **({"messages": [MSG]} if "chat" in path else {"prompt": "hi"}), **fields}
+    resp = httpx.post(keyed_system.url + path, json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=10)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and "at most" in err["message"]
+
+
+def test_body_over_the_limit_is_413_and_under_it_serves(keyed_system):
+    headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    url = keyed_system.url + "/v1/completions"
+    big = b'{"model": "%s", "prompt": "%s", "max_tokens": 2}' % (MODEL.encode(), b"x" * 9000)
+    resp = httpx.post(url, content=big, headers=headers, timeout=10)
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+    resp = httpx.post(url, content=iter([big[:5000], big[5000:]]), headers=headers, timeout=10)  # chunked
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+    ok = b'{"model": "%s", "prompt": "%s", "max_tokens": 2}' % (MODEL.encode(), b"x " * 3000)
+    resp = httpx.post(url, content=iter([ok[:4000], ok[4000:]]), headers=headers, timeout=10)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
