@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from bench.pdtune.report import phase_table, recommend, summarize, table
@@ -83,8 +84,13 @@ def _print_decision(rows: dict[str, dict], args, kind: str, predicted=None) -> N
     print("\nPhase means (ms):\n")
     print(phase_table(rows))
     best = recommend(rows)
-    print(f"\nRecommendation: {best} (goodput {rows[best]['goodput_rps']:.3f} req/s meeting TTFT <= "
-          f"{args.ttft_ms:g} ms and ITL <= {args.itl_ms:g} ms)")
+    if rows[best]["goodput_rps"] > 0:
+        print(f"\nRecommendation: {best} (goodput {rows[best]['goodput_rps']:.3f} req/s meeting TTFT <= "
+              f"{args.ttft_ms:g} ms and ITL <= {args.itl_ms:g} ms)")
+    else:
+        print(f"\nNo split meets TTFT <= {args.ttft_ms:g} ms and ITL <= {args.itl_ms:g} ms for any request; "
+              f"the highest throughput: {best} ({rows[best]['throughput_rps']:.3f} req/s). Relax the SLOs "
+              "or add ranks/cores.")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"kind": kind, "rows": rows, "predicted": predicted, "recommendation": best}, f, indent=1)
@@ -93,6 +99,8 @@ def _print_decision(rows: dict[str, dict], args, kind: str, predicted=None) -> N
 def cmd_measure(args) -> None:
     from bench.pdtune.measure import measure
 
+    # SIGTERM unwinds like Ctrl-C, so the host cache's shared memory is unlinked.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     curves = measure(args.model, args.threads, args.new, args.cached, args.batch, args.ctx, args.pages, args.reps)
     curves.save(args.out)
     print(f"wrote {args.out}")

@@ -141,5 +141,6 @@ def phase_table(rows: dict[str, dict]) -> str:
 
 
 def recommend(rows: dict[str, dict]) -> str:
-    """The configuration with the highest goodput; ties go to lower TTFT p90, then the name."""
-    return min(rows, key=lambda n: (-rows[n]["goodput_rps"], rows[n]["ttft_ms_p90"], n))
+    """The configuration with the highest goodput; ties (all zero: nothing meets the SLOs) go to
+    the higher request throughput, then the lower TTFT p90, then the name."""
+    return min(rows, key=lambda n: (-rows[n]["goodput_rps"], -rows[n]["throughput_rps"], rows[n]["ttft_ms_p90"], n))

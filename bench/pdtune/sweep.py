@@ -1,10 +1,11 @@
 """Measured mode (`pd_tune.py sweep`): every split served for real, replayed with aiperf.
 
 scripts/agentx_compare.sh (bench/agentx/compare.py) starts colocated R and each xPyD split in
-turn, replays the same workload against each with aiperf, stops it, and writes
-RUN/summary.json: per configuration its aggregates, the server's phase means, and the path
-of aiperf's per-request `profile_export.jsonl`. This module reads those per-request records
-(one JSON object a line, aiperf's MetricRecordInfo):
+turn, replays the same weka traces against each with aiperf, stops it, and writes
+RUN/summary.json (schema 1): per configuration (`configs[]`) its `name` (colocated-R, xPyD),
+`records` (the path of aiperf's per-request `profile_export.jsonl`) and the router's phase
+means (`server.phase_mean_ms`). This module reads those per-request records (one JSON object
+a line, aiperf's MetricRecordInfo):
 
     {"metadata": {"request_start_ns": ..., "request_end_ns": ..., "benchmark_phase": "profiling", ...},
      "metrics": {"time_to_first_token": {"value": 812.5, "unit": "ms"},
@@ -78,35 +79,23 @@ def split_name(name: str) -> str:
 
 
 def _phases_ms(cfg: dict) -> dict[str, float]:
-    """Phase means in ms from one summary.json configuration (`phases_ms`: name -> ms, or
-    `phases`: name -> ms or {"mean_ms"| "mean_s"| "sum"/"count"})."""
-    if isinstance(cfg.get("phases_ms"), dict):
-        return {k: float(v) for k, v in cfg["phases_ms"].items() if v is not None}
-    out = {}
-    for k, v in (cfg.get("phases") or {}).items():
-        if isinstance(v, (int, float)):
-            out[k] = float(v)
-        elif isinstance(v, dict):
-            if v.get("mean_ms") is not None:
-                out[k] = float(v["mean_ms"])
-            elif v.get("mean_s") is not None:
-                out[k] = 1e3 * float(v["mean_s"])
-            elif v.get("count"):
-                out[k] = 1e3 * float(v["sum"]) / float(v["count"])
-    return out
+    """Phase means in ms per request from one summary.json configuration: the router's
+    (`server.phase_mean_ms`, schema 1), or a plain `phases_ms` mapping."""
+    server = cfg.get("server") or {}
+    phases = server.get("phase_mean_ms") or cfg.get("phases_ms") or {}
+    return {k: float(v) for k, v in phases.items() if v is not None}
 
 
 def read_run(run_dir: str | Path, ttft_ms: float, itl_ms: float) -> dict[str, dict]:
     """Aggregates per configuration (pd_tune names) of a finished agentx_compare run."""
     run_dir = Path(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
-    configs = summary.get("configs", summary)
-    items = configs.items() if isinstance(configs, dict) else ((c["name"], c) for c in configs)
     rows = {}
-    for name, cfg in items:
-        path = cfg.get("profile_export") or cfg.get("profile_export_jsonl") or cfg.get("records")
-        if not path:
-            print(f"[sweep] {name}: no profile_export path in summary.json; skipped", file=sys.stderr)
+    for cfg in summary["configs"]:
+        name, path = cfg["name"], cfg.get("records")
+        if not cfg.get("ok", True) or not path or not Path(path).exists():
+            print(f"[sweep] {name}: no per-request records ({cfg.get('error') or 'missing'}); left out",
+                  file=sys.stderr)
             continue
         path = Path(path) if Path(path).is_absolute() else run_dir / path
         results, errors = parse_profile_export(path)
@@ -121,17 +110,15 @@ def run_sweep(args) -> dict[str, dict]:
     a finished run) and return its aggregates per configuration."""
     if args.from_run:
         return read_run(args.from_run, args.ttft_ms, args.itl_ms)
+    if not args.workload:
+        raise SystemExit("sweep replays a weka_trace directory (--workload); agentx_compare has no synthetic mode")
     out = Path(args.out or tempfile.mkdtemp(prefix="pd-tune-sweep-"))
     cmd = [str(ROOT / "scripts" / "agentx_compare.sh"), "--ranks", str(args.ranks), "--out", str(out),
-           "--concurrency", str(args.concurrency)]
-    if args.workload:
-        cmd += ["--traces", args.workload]
-    else:
-        cmd += ["--synthetic", "--isl", str(args.isl), "--osl", str(args.osl), "--requests", str(args.requests)]
+           "--concurrency", str(args.concurrency), "--trace-dir", str(Path(args.workload).resolve())]
     if args.duration:
         cmd += ["--duration", str(args.duration)]
     if args.splits:
-        cmd += ["--splits", args.splits]
+        cmd += ["--configs", args.splits]
     cmd += args.compare_args.split()
     print("[sweep] " + " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)

@@ -54,12 +54,13 @@ def test_parse_profile_export(tmp_path):
 def test_read_run_goodput_and_phases(tmp_path):
     for name in ("colocated", "pd"):
         write_jsonl(tmp_path / f"{name}.jsonl", ROWS)
-    summary = {"configs": {
-        "colocated-2": {"profile_export": str(tmp_path / "colocated.jsonl"),
-                        "phases": {"queue": {"mean_ms": 1.0}, "prefill": {"mean_ms": 90.0},
-                                   "decode": {"mean_ms": 500.0}}},
-        "1P1D": {"profile_export": "pd.jsonl",  # relative to the run directory
-                 "phases_ms": {"prefill": 80.0, "transfer": 3.0, "admission_wait": 400.0, "decode": 300.0}}}}
+    # summary.json schema 1 (bench/agentx/compare.py), abridged to what pd_tune reads.
+    summary = {"schema": 1, "configs": [
+        {"name": "colocated-2", "ok": True, "records": str(tmp_path / "colocated.jsonl"),
+         "server": {"phase_mean_ms": {"queue": 1.0, "prefill": 90.0, "decode": 500.0}}},
+        {"name": "1P1D", "ok": True, "records": str(tmp_path / "pd.jsonl"),
+         "server": {"phase_mean_ms": {"prefill": 80.0, "transfer": 3.0, "admission_wait": 400.0, "decode": 300.0}}},
+        {"name": "2P0D", "ok": False, "error": "did not start", "records": None, "server": None}]}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     rows = read_run(tmp_path, 500, 120)
     assert set(rows) == {"colocated-2", "1P1D"}
