@@ -103,7 +103,7 @@ def start_authenticator(ctx: zmq.Context, secret: str):
 
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("pd_server.cluster_auth.zap"))
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_ClientKeyCheck(secret))
+    auth.configure_curve_callback(domain=ZAP_DOMAIN.decode(), credentials_provider=_ClientKeyCheck(secret))
     return auth
 
 

@@ -14,6 +14,9 @@
 # (see `.venv/bin/python -m pd_server.launch --help`: page size, KV size, max running
 # sequences, chunked-prefill budget, max model length, routing policy, dtype, device).
 # Stop sends SIGTERM to the whole group, then SIGKILL to what is left after 10 s.
+# Faults: --supervise restarts a rank that died or hung (--max-restarts, --restart-backoff-s);
+# a rank not ready --rank-start-timeout-s after its start is marked dead. Across hosts, export
+# PDSERVE_CLUSTER_SECRET (or pass --cluster-secret) here and on every rank started by hand.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PORT=8000

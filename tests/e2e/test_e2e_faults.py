@@ -203,6 +203,24 @@ def test_router_restart_under_standalone_ranks_leaves_nothing_behind(tmp_path):
             _kill(p)
 
 
+def test_cluster_secret_admits_only_ranks_that_hold_it(tmp_path):
+    system = start_system(tmp_path, [*FAKE, "--colocated", "1", "--cluster-secret", "s3cret"], timeout=120)
+    try:
+        addr = system.health()[1]["rank_addr"]
+        for i, secret in ((5, "wrong"), (6, "")):
+            env = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_SECRET"}
+            out = subprocess.run([sys.executable, "-m", "decode.fake_rank", "--router-addr", addr, "--index", str(i),
+                                  "--cluster-secret", secret], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 3 and "refused this rank" in out.stderr and "cluster secret" in out.stderr
+        assert list(system.ranks()) == ["colocated-0"]  # nobody joined
+        assert "failed the handshake" in (tmp_path / "router.log").read_text()
+        r = complete(system, {"prompt": "hi", "max_tokens": 3})  # the launcher's rank got the secret
+        assert r.status_code == 200
+    finally:
+        stop_system(system)
+
+
 def test_killed_launcher_takes_its_ranks_and_their_shared_memory_along(tmp_path):
     system = start_system(tmp_path, [*REAL, "--colocated", "1", "--kv-cache-gb", "0.05", "--hicache-size-gb", "0.02"],
                           timeout=300)
@@ -223,15 +241,17 @@ def test_killed_launcher_takes_its_ranks_and_their_shared_memory_along(tmp_path)
 # ---- PD, real ranks, supervised ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pd_sup(tmp_path_factory):
-    # Every KV read waits 3 s (the handoff stays pinned in the prefill rank's pool meanwhile).
+    # Every KV read waits 3 s (the handoff stays pinned in the prefill rank's pool meanwhile). The
+    # cluster secret puts both rank links on CURVE (restarted ranks get it from the launcher too).
     os.environ["PDSERVE_FAULT"] = "decode-0:delay_pull:3,decode-1:delay_pull:3"
+    os.environ["PDSERVE_CLUSTER_SECRET"] = "pd-sup-secret"
     try:
         system = start_system(tmp_path_factory.mktemp("pd-sup"),
                               [*REAL, "--prefill", "1", "--decode", "2", "--transfer", "shm", "--hicache-size-gb", "0",
                                "--kv-cache-gb", "0.1", "--handoff-pool-gb", "0.05", "--supervise",
                                "--max-restarts", "3", "--restart-backoff-s", "0.5"], timeout=420)
     finally:
-        del os.environ["PDSERVE_FAULT"]
+        del os.environ["PDSERVE_FAULT"], os.environ["PDSERVE_CLUSTER_SECRET"]
     try:
         yield system
     finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pd_server.protocol import PROTOCOL_VERSION
+from pd_server.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 from pd_server.protocol.codec import Codec
 from pd_server.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes, Pulled,
                                                PullFailed)
@@ -154,3 +154,21 @@ def test_cache_update_kind_is_checked():
     frame = msgspec.msgpack.encode(["cache", [["page_touched", [b"k" * 16]]]])
     with pytest.raises(msgspec.ValidationError):
         Codec().decode_from_rank(frame)
+
+
+def test_the_largest_legitimate_frames_fit_the_frame_bound():
+    """MAX_FRAME_BYTES (ZMQ_MAXMSGSIZE on rank sockets) is sized from these; a frame past it drops
+    the connection, so none of them may reach it."""
+    codec, ids, vocab_max = Codec(), 2**20, 2**31 - 1  # a 1M-token prompt of the largest token ids
+    sampling = Sampling(max_tokens=1, stop=tuple("s" * 64 for _ in range(16)))
+    times = PrefillTimes(1.0, 1.0, 1.0, 1.0)
+    top = [(vocab_max, -1.5)] * 20
+    frames = [
+        Generate("r" * 64, [vocab_max] * ids, sampling, 1.0, 0),
+        Handoff("r" * 64, [vocab_max] * ids, 1, sampling, 0, list(range(ids // 16)), 0, 10.0, times),
+        CacheEvents([CacheUpdate("page_evicted", [b"k" * 16] * 2**20)]),
+        TokenBatch([TokenEvent("r" * 64, [vocab_max], "x" * 16, logprobs=[TokenLogprob(vocab_max, -1.0, top)])]
+                   * 1024, 1.0),
+    ]
+    sizes = [len(codec.encode(f)) for f in frames]
+    assert max(sizes) < MAX_FRAME_BYTES, sizes
