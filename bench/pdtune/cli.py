@@ -36,6 +36,10 @@ def _add_workload(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", type=float, default=None,
                    help="seconds: sessions repeat and no request starts after it (sweep: aiperf "
                         "--benchmark-duration); default: every session once (simulate)")
+    g.add_argument("--trajectory-start", default="0.25,0.75",
+                   help="traces: each session entered at a random t* in LO,HI of its recorded duration, the calls "
+                        "before it an unreported warm-up (aiperf's AgentX scenario); 'none': from the start")
+    g.add_argument("--seed", type=int, default=42, help="simulate: the t* draws")
     ap.add_argument("--ranks", type=int, required=True, help="rank budget R: colocated R and every xPyD, x+y=R")
     ap.add_argument("--ttft-ms", type=float, required=True, help="SLO: time to first token")
     ap.add_argument("--itl-ms", type=float, required=True, help="SLO: mean inter-token latency of a request")
@@ -70,9 +74,14 @@ def simulate_rows(args, costs_path: str, names: list[str] | None = None) -> dict
     curves = CostCurves.load(costs_path)
     sessions = _workload(args)
     limits = Limits(args.max_num_batched_tokens, args.max_num_seqs)
+    start = None
+    if args.workload and args.trajectory_start.lower() != "none":
+        lo, hi = (float(v) for v in args.trajectory_start.split(","))
+        start = (lo, hi)
     rows = {}
     for sp in ([Split.parse(n) for n in names] if names else _splits(args)):
-        res = simulate(sp, curves.for_ranks(sp.ranks, args.cores), sessions, args.concurrency, limits, args.duration)
+        res = simulate(sp, curves.for_ranks(sp.ranks, args.cores), sessions, args.concurrency, limits, args.duration,
+                       start, args.seed)
         rows[sp.name] = summarize(res, args.ttft_ms, args.itl_ms)
     return rows
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ class _Req:
     t_first_decode: float = 0.0
     stall: float = 0.0  # decode time spent in steps' prompt chunks (colocated: a chunk stalls decode)
     decode_rank: "_Rank | None" = None
+    warmup: bool = False  # sent before its trajectory's t*: served, not reported
 
     @property
     def prefilling(self) -> bool:
@@ -131,14 +133,26 @@ class _Rank:
 
 class Simulator:
     def __init__(self, split: Split, costs: StepCosts, sessions: list[Session], concurrency: int,
-                 limits: Limits = Limits(), duration_s: float | None = None) -> None:
+                 limits: Limits = Limits(), duration_s: float | None = None,
+                 trajectory_start: tuple[float, float] | None = None, seed: int = 42) -> None:
         """`concurrency` sessions run at once. Without `duration_s` every session runs once;
         with it, sessions repeat in order (new instances: no cache carry-over) and no call
-        is sent at or after duration_s (those in flight finish)."""
+        is sent at or after duration_s past the first reported call (those in flight finish).
+        `trajectory_start` (lo, hi): each session instance draws t* uniformly in
+        [lo, hi] x its recorded duration (random.Random(seed)); its calls recorded before t*
+        are served as warm-up and left out of the results, and the first `concurrency`
+        sessions' reported calls wait until all of them reached t* (AgentX replay)."""
         if concurrency < 1 or not sessions:
             raise ValueError("need concurrency >= 1 and at least one session")
         self.split, self.costs, self.limits = split, costs, limits
         self.sessions, self.concurrency, self.duration = sessions, concurrency, duration_s
+        self.trajectory_start, self._rng = trajectory_start, random.Random(seed)
+        self._profile_start: float | None = None  # when reported calls may go (end of warm-up)
+        # AgentX warm-up barrier: the first `concurrency` sessions all reach their t* before
+        # any of them sends a reported call (aiperf aligns them so); those calls wait here.
+        self._barrier = min(concurrency, len(sessions)) if trajectory_start else 0
+        self._reached: set[int] = set()
+        self._parked: list = []
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
@@ -166,17 +180,31 @@ class Simulator:
         return self.results
 
     # ---- sessions (the client) ----------------------------------------------------------
+    def _past_duration(self) -> bool:
+        return (self.duration is not None and self._profile_start is not None
+                and self.now >= self._profile_start + self.duration)
+
     def _start_session(self) -> None:
         i = self._next_session
-        if self.duration is None and i >= len(self.sessions):
-            return
-        if self.duration is not None and self.now >= self.duration:
+        if (self.duration is None and i >= len(self.sessions)) or self._past_duration():
             return
         self._next_session += 1
         s = self.sessions[i % len(self.sessions)]
-        self._run_chain(next(self._instances), s.items, 0, self._start_session)
+        t_star = -1.0
+        if self.trajectory_start is not None:
+            t_star = self._rng.uniform(*self.trajectory_start) * s.recorded_end()
+        self._run_chain((next(self._instances), t_star), s.items, 0, self._start_session)
 
-    def _run_chain(self, inst: int, items, idx: int, on_done: Callable[[], None]) -> None:
+    def _park(self, inst: tuple[int, float], call: Call, then: Callable[[], None]) -> None:
+        """Hold a reported call of an initial session until all of them reached t*."""
+        self._parked.append((inst, call, then))
+        self._reached.add(inst[0])
+        if len(self._reached) == self._barrier:
+            self._barrier, parked, self._parked = 0, self._parked, []
+            for args in parked:
+                self._submit(*args)
+
+    def _run_chain(self, inst: tuple[int, float], items, idx: int, on_done: Callable[[], None]) -> None:
         if idx == len(items):
             on_done()
             return
@@ -189,7 +217,7 @@ class Simulator:
         else:
             self._at(self.now + item.delay_s, self._fork, inst, item, then)
 
-    def _fork(self, inst: int, fork: Fork, then: Callable[[], None]) -> None:
+    def _fork(self, inst: tuple[int, float], fork: Fork, then: Callable[[], None]) -> None:
         left = [len(fork.chains)]
 
         def joined() -> None:
@@ -202,11 +230,17 @@ class Simulator:
             self._run_chain(inst, chain, 0, joined)
 
     # ---- the router ---------------------------------------------------------------------
-    def _submit(self, inst: int, call: Call, then: Callable[[], None]) -> None:
-        if self.duration is not None and self.now >= self.duration:
+    def _submit(self, inst: tuple[int, float], call: Call, then: Callable[[], None]) -> None:
+        if self._past_duration():
             then()  # the chain ends: nothing is sent after the benchmark duration
             return
-        req = _Req(call, tuple((inst, h) for h in call.hash_ids), self.now, then)
+        warmup = call.t < inst[1]
+        if not warmup and self._barrier and inst[0] < self._barrier:
+            self._park(inst, call, then)
+            return
+        if not warmup and self._profile_start is None:
+            self._profile_start = self.now
+        req = _Req(call, tuple((inst[0], h) for h in call.hash_ids), self.now, then, warmup=warmup)
         rank = max(self.prefillers, key=lambda r: (self._hit(r, req) - self.limits.load_tokens * r.inflight,
                                                    -r.inflight, -r.routed, -r.index))
         rank.inflight += 1
@@ -340,12 +374,15 @@ class Simulator:
         else:
             phases = {"prefill_wait": r.t_admit - r.arrival, "prefill": r.t_first - r.t_admit,
                       "decode": self.now - r.t_first - r.stall, "prefill_stall": r.stall}
-        self.results.append(RequestResult(r.arrival, r.t_first - r.arrival, self.now - r.arrival,
-                                          c.input_tokens, c.output_tokens, r.cached, phases))
+        if not r.warmup:
+            self.results.append(RequestResult(r.arrival, r.t_first - r.arrival, self.now - r.arrival,
+                                              c.input_tokens, c.output_tokens, r.cached, phases))
         r.on_done()
 
 
 def simulate(split: Split, costs: StepCosts, sessions: list[Session], concurrency: int,
-             limits: Limits = Limits(), duration_s: float | None = None) -> list[RequestResult]:
-    """Per-request results of `sessions` served by `split` (see the module docstring)."""
-    return Simulator(split, costs, sessions, concurrency, limits, duration_s).run()
+             limits: Limits = Limits(), duration_s: float | None = None,
+             trajectory_start: tuple[float, float] | None = None, seed: int = 42) -> list[RequestResult]:
+    """Per-request results of `sessions` served by `split` (see the module docstring and
+    Simulator)."""
+    return Simulator(split, costs, sessions, concurrency, limits, duration_s, trajectory_start, seed).run()

@@ -14,7 +14,9 @@ aiperf/dataset/loader/weka_trace.py):
   * hash_ids name the prompt's blocks of `block_size` tokens, scoped to the trace
     (hash_id_scope "local"): equal ids within a trace are a shared prefix, never across
     traces (aiperf also puts a per-session `[rid:...]` marker at the start of the prompt).
-Not modelled: AgentX's trajectory start ratios (sessions entered mid-way) and warm-up.
+AgentX's trajectory start (aiperf --scenario inferencex-agentx-mvp: each trajectory entered
+at a random t* in [0.25, 0.75] of its recorded duration, the calls before t* sent as an
+unprofiled warm-up) is the simulator's `trajectory_start` (sim.py), from each Call's `t`.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class Call:
     hash_ids: tuple[int, ...] = ()
     block_size: int = 16
     delay_s: float = 0.0  # idle time before it is sent, after what precedes it in its chain
+    t: float = 0.0  # recorded start in the trace (s): AgentX warm-up cut (sim.Simulator trajectory_start)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,14 @@ class Session:
 
     def num_calls(self) -> int:
         return _count(self.items)
+
+    def recorded_end(self) -> float:
+        """The latest recorded start of any of its calls (s)."""
+        return _last_t(self.items)
+
+
+def _last_t(items) -> float:
+    return max([i.t if isinstance(i, Call) else max([_last_t(c) for c in i.chains] or [0.0]) for i in items] or [0.0])
 
 
 def _count(items) -> int:
@@ -77,7 +88,7 @@ def _chain(reqs: list[dict], block_size: int, prev_end: float | None) -> tuple[l
         r = reqs[i]
         if r["type"] != "subagent":
             items.append(Call(int(r["in"]), max(1, int(r["out"])), tuple(int(h) for h in r.get("hash_ids", ())),
-                              block_size, _gap(float(r["t"]), prev_end)))
+                              block_size, _gap(float(r["t"]), prev_end), float(r["t"])))
             prev_end = _end(r)
             i += 1
             continue

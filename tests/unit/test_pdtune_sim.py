@@ -137,6 +137,31 @@ def test_closed_loop_concurrency_and_duration_cutoff():
     assert [r.start_s for r in res] == [0.0, 1.0, 2.0]
 
 
+def test_agentx_trajectory_start_serves_warmup_calls_unreported():
+    # Recorded starts 0, 10, 20, 30 s; t* = 0.5 x 30 = 15: the first two calls are warm-up,
+    # served and left out. Back to back (no gaps), each hitting the previous prompt's blocks:
+    #   64 tokens: 1 s (0 -> 1); 128 with 64 cached: 1 + 0.25 (-> 2.25);
+    #   192 with 128 cached: 1 + 0.5 (2.25 -> 3.75); 256 with 192 cached: 1 + 0.75 (-> 5.5).
+    calls = tuple(Call(64 * (k + 1), 1, tuple(range(k + 1)), 64, 0.0, 10.0 * k) for k in range(4))
+    res = simulate(Split(colocated=1), Fixed(), [Session("t", calls)], concurrency=1,
+                   trajectory_start=(0.5, 0.5))
+    assert [(r.start_s, r.ttft_s, r.cached_tokens) for r in res] == [(2.25, 1.5, 128), (3.75, 1.75, 192)]
+    # The duration counts from the first reported call (2.25): 1.5 s ends it at the 4th call.
+    cut = simulate(Split(colocated=1), Fixed(), [Session("t", calls)], concurrency=1, duration_s=1.5,
+                   trajectory_start=(0.5, 0.5))
+    assert [r.start_s for r in cut] == [2.25]
+
+
+def test_agentx_warmup_barrier_aligns_sessions_at_t_star():
+    # t* = half of each session's recorded span: A (t 0, 10) warms up with 1 call, B (t 0..30)
+    # with 2. 0 -> 2: a0 + b0 in one step; A's a1 waits while b1 warms up (2 -> 3); at 3 both
+    # reached t*: a1 + b2 in one step (3 -> 5), then b3 (5 -> 6).
+    a = Session("a", tuple(Call(64, 1, t=10.0 * k) for k in range(2)))
+    b = Session("b", tuple(Call(64, 1, t=10.0 * k) for k in range(4)))
+    res = simulate(Split(colocated=1), Fixed(), [a, b], concurrency=2, trajectory_start=(0.5, 0.5))
+    assert sorted((r.start_s, r.ttft_s) for r in res) == [(3.0, 2.0), (3.0, 2.0), (5.0, 1.0)]
+
+
 def test_splits_and_names():
     assert [s.name for s in splits(1)] == ["colocated-1"]
     assert [s.name for s in splits(4)] == ["colocated-4", "1P3D", "2P2D", "3P1D"]
