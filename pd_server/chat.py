@@ -37,7 +37,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
     max_len, vocab = ctx.limits()
     chat = ctx.renderer.render(req)
     check_prompt(chat.prompt_ids, max_len, vocab, "messages")
-    max_tokens = fit_max_tokens(req.requested_max_tokens, len(chat.prompt_ids), max_len, "max_tokens")
+    max_tokens = fit_max_tokens(req.requested_max_tokens, len(chat.prompt_ids), max_len, "max_tokens",
+                                ctx.cfg.max_tokens_limit)
     work = [(chat.prompt_ids, make_sampling(req, max_tokens, req.num_logprobs, i, chat.extra_stop))
             for i in range(req.n)]
     first_user = next((m.text for m in req.messages if m.role == "user"), "")

@@ -35,7 +35,8 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
         prompts.append(ids)
     work = []
     for ids in prompts:
-        max_tokens = fit_max_tokens(req.requested_max_tokens, len(ids), max_len, "max_tokens")
+        max_tokens = fit_max_tokens(req.requested_max_tokens, len(ids), max_len, "max_tokens",
+                                ctx.cfg.max_tokens_limit)
         work += [(ids, make_sampling(req, max_tokens, req.logprobs, j)) for j in range(req.n)]
     rid = new_request_id("cmpl")
     handle = ctx.dispatcher.submit(rid, work, RouteRequest(prompts[0], len(work)), arrival)

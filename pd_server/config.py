@@ -31,8 +31,9 @@ class RouterConfig:
     body_timeout_s: float = opt(30.0, "a request body must arrive in full within this many seconds of its "
                                       "headers; else 408 (slowloris)")
     max_messages: int = opt(2048, "messages per chat request; past it: 400")
-    max_tokens_limit: int = opt(32768, "largest max_tokens / max_completion_tokens a request may ask for "
-                                       "(the context length also bounds it); past it: 400")
+    max_tokens_limit: int = opt(32768, "largest max_tokens / max_completion_tokens a request may ask for, and "
+                                       "the default for one that asks for none (the context length also "
+                                       "bounds it); past it: 400")
     max_n: int = opt(16, "choices per request (n); past it: 400")
     max_stop: int = opt(16, "stop strings per request; past it: 400")
     max_stop_chars: int = opt(512, "characters in one stop string; past it: 400")

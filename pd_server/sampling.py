@@ -25,12 +25,14 @@ def check_prompt(prompt_ids: list[int], max_model_len: int, vocab_size: int, par
         raise bad_request(f"prompt token ids must be in [0, {vocab_size})", param)
 
 
-def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
+def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str,
+                   cap: int | None = None) -> int:
     """max_tokens for one prompt: as requested if prompt + it fits the context, the rest of
-    the context when not given; 400 when it cannot fit."""
+    the context (at most `cap`, the router's --max-tokens-limit) when not given; 400 when it
+    cannot fit."""
     room = max_model_len - prompt_len
     if requested is None:
-        return room
+        return room if cap is None else min(room, cap)
     if requested > room:
         raise bad_request(f"max_tokens is {requested}, but the prompt has {prompt_len} tokens and this model's "
                           f"maximum context length is {max_model_len}: at most {room} tokens fit", param)

@@ -244,3 +244,11 @@ def test_limits_must_be_positive():
         with pytest.raises(ValueError, match=name):
             RouterConfig(**{name: 0})
 
+
+
+def test_max_tokens_default_is_capped_by_the_limit():
+    from pd_server.sampling import fit_max_tokens
+    assert fit_max_tokens(None, 100, 2048, "max_tokens") == 1948
+    assert fit_max_tokens(None, 100, 2048, "max_tokens", cap=512) == 512
+    assert fit_max_tokens(None, 2000, 2048, "max_tokens", cap=512) == 48
+    assert fit_max_tokens(300, 100, 2048, "max_tokens", cap=512) == 300
