@@ -34,11 +34,11 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bench.pdtune.costs import StepCosts
 from bench.pdtune.report import RequestResult
-from bench.pdtune.workload import Call, Fork, Session
+from bench.pdtune.workload import Call, Fork, Item, Session
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class _Req:
     t_first_decode: float = 0.0
     stall: float = 0.0  # decode time spent in steps' prompt chunks (colocated: a chunk stalls decode)
     decode_rank: "_Rank | None" = None
-    warmup: bool = False  # sent before its trajectory's t*: served, not reported
+    warmup: bool = False  # an AgentX warm-up call (entered_at): served, not reported
 
     @property
     def prefilling(self) -> bool:
@@ -131,6 +131,23 @@ class _Rank:
     pulling: bool = False
 
 
+def entered_at(items: tuple[Item, ...], t_star: float) -> tuple[Item, ...]:
+    """A session entered at t* as aiperf's AgentX replay does it: one warm-up call (the last
+    top-level call recorded before t*, 1 output token: it puts the conversation's prefix in
+    the cache; unreported), then the items from the first recorded at or after t* (its idle
+    gap counted from t*). Items before it are not sent."""
+    def start(item: Item) -> float:
+        return item.t if isinstance(item, Call) else min((c[0].t for c in item.chains if c), default=0.0)
+    k = next((i for i, it in enumerate(items) if start(it) >= t_star), len(items))
+    if k == 0:
+        return items
+    warm = [it for it in items[:k] if isinstance(it, Call)]
+    out: list[Item] = [replace(warm[-1], output_tokens=1, delay_s=0.0, warmup=True)] if warm else []
+    if k < len(items):
+        out.append(replace(items[k], delay_s=max(0.0, start(items[k]) - t_star)))
+    return tuple(out) + items[k + 1:]
+
+
 class Simulator:
     def __init__(self, split: Split, costs: StepCosts, sessions: list[Session], concurrency: int,
                  limits: Limits = Limits(), duration_s: float | None = None,
@@ -139,17 +156,18 @@ class Simulator:
         with it, sessions repeat in order (new instances: no cache carry-over) and no call
         is sent at or after duration_s past the first reported call (those in flight finish).
         `trajectory_start` (lo, hi): each session instance draws t* uniformly in
-        [lo, hi] x its recorded duration (random.Random(seed)); its calls recorded before t*
-        are served as warm-up and left out of the results, and the first `concurrency`
-        sessions' reported calls wait until all of them reached t* (AgentX replay)."""
+        [lo, hi] x its recorded duration (random.Random(seed)) and is entered there
+        (`entered_at`: one unreported warm-up call, then the calls from t*); the first
+        `concurrency` sessions' reported calls wait until all of them are past their
+        warm-up (aiperf aligns them at t*), and the duration counts from then."""
         if concurrency < 1 or not sessions:
             raise ValueError("need concurrency >= 1 and at least one session")
         self.split, self.costs, self.limits = split, costs, limits
         self.sessions, self.concurrency, self.duration = sessions, concurrency, duration_s
         self.trajectory_start, self._rng = trajectory_start, random.Random(seed)
         self._profile_start: float | None = None  # when reported calls may go (end of warm-up)
-        # AgentX warm-up barrier: the first `concurrency` sessions all reach their t* before
-        # any of them sends a reported call (aiperf aligns them so); those calls wait here.
+        # AgentX warm-up barrier: the first `concurrency` sessions all get past their warm-up
+        # call before any goes on (aiperf aligns them at t*); their chains wait here.
         self._barrier = min(concurrency, len(sessions)) if trajectory_start else 0
         self._reached: set[int] = set()
         self._parked: list = []
@@ -190,25 +208,29 @@ class Simulator:
             return
         self._next_session += 1
         s = self.sessions[i % len(self.sessions)]
-        t_star = -1.0
+        items = s.items
         if self.trajectory_start is not None:
-            t_star = self._rng.uniform(*self.trajectory_start) * s.recorded_end()
-        self._run_chain((next(self._instances), t_star), s.items, 0, self._start_session)
+            items = entered_at(items, self._rng.uniform(*self.trajectory_start) * s.recorded_end())
+        self._run_chain((next(self._instances), 0.0), items, 0, self._start_session)
 
-    def _park(self, inst: tuple[int, float], call: Call, then: Callable[[], None]) -> None:
-        """Hold a reported call of an initial session until all of them reached t*."""
-        self._parked.append((inst, call, then))
+    def _park(self, inst: tuple[int, float], items, idx: int, on_done: Callable[[], None]) -> None:
+        """Hold an initial session past its warm-up until all of them are (aiperf's t*)."""
+        self._parked.append((inst, items, idx, on_done))
         self._reached.add(inst[0])
         if len(self._reached) == self._barrier:
             self._barrier, parked, self._parked = 0, self._parked, []
+            self._profile_start = self.now
             for args in parked:
-                self._submit(*args)
+                self._run_chain(*args)
 
     def _run_chain(self, inst: tuple[int, float], items, idx: int, on_done: Callable[[], None]) -> None:
         if idx == len(items):
             on_done()
             return
         item = items[idx]
+        if self._barrier and inst[0] < self._barrier and not (isinstance(item, Call) and item.warmup):
+            self._park(inst, items, idx, on_done)
+            return
 
         def then() -> None:
             self._run_chain(inst, items, idx + 1, on_done)
@@ -234,10 +256,7 @@ class Simulator:
         if self._past_duration():
             then()  # the chain ends: nothing is sent after the benchmark duration
             return
-        warmup = call.t < inst[1]
-        if not warmup and self._barrier and inst[0] < self._barrier:
-            self._park(inst, call, then)
-            return
+        warmup = call.warmup
         if not warmup and self._profile_start is None:
             self._profile_start = self.now
         req = _Req(call, tuple((inst[0], h) for h in call.hash_ids), self.now, then, warmup=warmup)

@@ -16,7 +16,7 @@ aiperf/dataset/loader/weka_trace.py):
     traces (aiperf also puts a per-session `[rid:...]` marker at the start of the prompt).
 AgentX's trajectory start (aiperf --scenario inferencex-agentx-mvp: each trajectory entered
 at a random t* in [0.25, 0.75] of its recorded duration, the calls before t* sent as an
-unprofiled warm-up) is the simulator's `trajectory_start` (sim.py), from each Call's `t`.
+unprofiled warm-up) is the simulator's `trajectory_start` (sim.entered_at), from each Call's `t`.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class Call:
     hash_ids: tuple[int, ...] = ()
     block_size: int = 16
     delay_s: float = 0.0  # idle time before it is sent, after what precedes it in its chain
-    t: float = 0.0  # recorded start in the trace (s): AgentX warm-up cut (sim.Simulator trajectory_start)
+    t: float = 0.0  # recorded start in the trace (s): where AgentX enters a session (sim.entered_at)
+    warmup: bool = False  # sent unreported, to warm the cache (sim.entered_at)
 
 
 @dataclass(frozen=True)

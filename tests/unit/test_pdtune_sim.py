@@ -137,29 +137,29 @@ def test_closed_loop_concurrency_and_duration_cutoff():
     assert [r.start_s for r in res] == [0.0, 1.0, 2.0]
 
 
-def test_agentx_trajectory_start_serves_warmup_calls_unreported():
-    # Recorded starts 0, 10, 20, 30 s; t* = 0.5 x 30 = 15: the first two calls are warm-up,
-    # served and left out. Back to back (no gaps), each hitting the previous prompt's blocks:
-    #   64 tokens: 1 s (0 -> 1); 128 with 64 cached: 1 + 0.25 (-> 2.25);
-    #   192 with 128 cached: 1 + 0.5 (2.25 -> 3.75); 256 with 192 cached: 1 + 0.75 (-> 5.5).
-    calls = tuple(Call(64 * (k + 1), 1, tuple(range(k + 1)), 64, 0.0, 10.0 * k) for k in range(4))
+def test_agentx_session_entered_at_t_star_after_one_warmup_call():
+    # Recorded starts 0, 10, 20, 30 s; t* = 0.5 x 30 = 15. Warm-up: the last call before t*
+    # (128 tokens, blocks 0-1) with 1 output token, 0 -> 2 s, unreported. Then the call at 20
+    # after its gap past t* (5 s): 192 tokens, 128 cached: 1 + 0.5 s (7 -> 8.5); the call at 30
+    # right after: 256 tokens, 192 cached: 1 + 0.75 s. The call at 0 is never sent.
+    calls = tuple(Call(64 * (k + 1), 4, tuple(range(k + 1)), 64, 0.0, 10.0 * k) for k in range(4))
     res = simulate(Split(colocated=1), Fixed(), [Session("t", calls)], concurrency=1,
                    trajectory_start=(0.5, 0.5))
-    assert [(r.start_s, r.ttft_s, r.cached_tokens) for r in res] == [(2.25, 1.5, 128), (3.75, 1.75, 192)]
-    # The duration counts from the first reported call (2.25): 1.5 s ends it at the 4th call.
-    cut = simulate(Split(colocated=1), Fixed(), [Session("t", calls)], concurrency=1, duration_s=1.5,
+    assert [(r.start_s, r.ttft_s, r.cached_tokens) for r in res] == [(7.0, 1.5, 128), (8.5 + 3 * 0.75, 1.75, 192)]
+    # The duration counts from the end of the warm-up (2 s): 6.5 s stops before the last call.
+    cut = simulate(Split(colocated=1), Fixed(), [Session("t", calls)], concurrency=1, duration_s=6.5,
                    trajectory_start=(0.5, 0.5))
-    assert [r.start_s for r in cut] == [2.25]
+    assert [r.start_s for r in cut] == [7.0]
 
 
 def test_agentx_warmup_barrier_aligns_sessions_at_t_star():
-    # t* = half of each session's recorded span: A (t 0, 10) warms up with 1 call, B (t 0..30)
-    # with 2. 0 -> 2: a0 + b0 in one step; A's a1 waits while b1 warms up (2 -> 3); at 3 both
-    # reached t*: a1 + b2 in one step (3 -> 5), then b3 (5 -> 6).
+    # t* = half of each session's span: A (t 0, 10): t* 5, warm-up a0; B (t 0..30): t* 15,
+    # warm-up b1. Both warm-ups in one step (0 -> 2); then each waits its gap past t*
+    # (a1: 10 - 5, b2: 20 - 15): both at 7 in one step (-> 9), then b3 (9 -> 10).
     a = Session("a", tuple(Call(64, 1, t=10.0 * k) for k in range(2)))
     b = Session("b", tuple(Call(64, 1, t=10.0 * k) for k in range(4)))
     res = simulate(Split(colocated=1), Fixed(), [a, b], concurrency=2, trajectory_start=(0.5, 0.5))
-    assert sorted((r.start_s, r.ttft_s) for r in res) == [(3.0, 2.0), (3.0, 2.0), (5.0, 1.0)]
+    assert sorted((r.start_s, r.ttft_s) for r in res) == [(7.0, 2.0), (7.0, 2.0), (9.0, 1.0)]
 
 
 def test_splits_and_names():
