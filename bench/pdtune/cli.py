@@ -80,8 +80,8 @@ def simulate_rows(args, costs_path: str, names: list[str] | None = None) -> dict
         start = (lo, hi)
     rows = {}
     for sp in ([Split.parse(n) for n in names] if names else _splits(args)):
-        res = simulate(sp, curves.for_ranks(sp.ranks, args.cores, args.contention), sessions, args.concurrency, limits, args.duration,
-                       start, args.seed)
+        res = simulate(sp, curves.for_ranks(sp.ranks, args.cores, shared=True), sessions, args.concurrency, limits,
+                       args.duration, start, args.seed, (args.cores or curves.cores) - args.client_cores)
         rows[sp.name] = summarize(res, args.ttft_ms, args.itl_ms)
     return rows
 
@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         _add_workload(p)
         p.add_argument("--cores", type=int, default=0,
                        help="cores the R ranks share (default: the measuring machine's); threads = cores // R")
-        p.add_argument("--contention", type=float, default=1.0,
-                       help="simulation: multiply every cost by this (CPU taken by the router and a client on the "
-                            "same cores); calibrate with sweep --compare-sim")
+        p.add_argument("--client-cores", type=float, default=0.0,
+                       help="simulation: cores the router and a client on the same machine take from the ranks "
+                            "(calibrate with sweep --compare-sim); the ranks computing at each moment share the rest")
         p.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine step token budget")
         p.add_argument("--max-num-seqs", type=int, default=64, help="engine running sequences at most")
         p.set_defaults(fn=fn)

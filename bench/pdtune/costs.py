@@ -95,14 +95,14 @@ class CostCurves:
     stage: Curve1  # bytes -> seconds
     meta: dict = field(default_factory=dict)  # how it was measured (backend, reps, load note)
 
-    def for_ranks(self, ranks: int, cores: int | None = None, contention: float = 1.0) -> "RankCosts":
+    def for_ranks(self, ranks: int, cores: int | None = None, shared: bool = False) -> "RankCosts":
         """Costs of one rank when `ranks` ranks share `cores` cores (default: the measured
-        machine's), as the launcher assigns threads: cores // ranks, at least 1. `contention`
-        (>= 1) multiplies every cost: what else runs on those cores (the router, a client on
-        the same machine); calibrate it against one measured run (sweep --compare-sim)."""
+        machine's), as the launcher assigns threads: cores // ranks, at least 1. Oversubscribed
+        cores slow every step by ranks * threads / cores, unless `shared` (the simulator then
+        shares the cores among the ranks computing at each moment: Simulator cpu_cores)."""
         cores = cores or self.cores
         threads = max(1, cores // ranks)
-        return RankCosts(self, self._nearest(threads), max(1.0, ranks * threads / cores) * contention)
+        return RankCosts(self, self._nearest(threads), 1.0 if shared else max(1.0, ranks * threads / cores))
 
     def _nearest(self, threads: int) -> int:
         """The largest measured thread count <= threads (else the smallest measured)."""

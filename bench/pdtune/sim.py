@@ -125,6 +125,11 @@ class _Rank:
     running: list = field(default_factory=list)
     cache: set = field(default_factory=set)
     busy: bool = False  # a step is scheduled or running
+    work: float = 0.0  # CPU sharing: seconds of the running step left at full speed
+    speed: float = 1.0
+    since: float = 0.0  # when `work` was last brought up to date
+    version: int = 0  # the running step's end event carries it; a reshare invalidates older ones
+    batch: list = field(default_factory=list)  # the running step's (request, tokens)
     inflight: int = 0
     routed: int = 0
     handoffs: deque = field(default_factory=deque)
@@ -151,7 +156,8 @@ def entered_at(items: tuple[Item, ...], t_star: float) -> tuple[Item, ...]:
 class Simulator:
     def __init__(self, split: Split, costs: StepCosts, sessions: list[Session], concurrency: int,
                  limits: Limits = Limits(), duration_s: float | None = None,
-                 trajectory_start: tuple[float, float] | None = None, seed: int = 42) -> None:
+                 trajectory_start: tuple[float, float] | None = None, seed: int = 42,
+                 cpu_cores: float | None = None) -> None:
         """`concurrency` sessions run at once. Without `duration_s` every session runs once;
         with it, sessions repeat in order (new instances: no cache carry-over) and no call
         is sent at or after duration_s past the first reported call (those in flight finish).
@@ -159,7 +165,10 @@ class Simulator:
         [lo, hi] x its recorded duration (random.Random(seed)) and is entered there
         (`entered_at`: one unreported warm-up call, then the calls from t*); the first
         `concurrency` sessions' reported calls wait until all of them are past their
-        warm-up (aiperf aligns them at t*), and the duration counts from then."""
+        warm-up (aiperf aligns them at t*), and the duration counts from then.
+        `cpu_cores`: the ranks share that many cores: while n ranks of `costs.threads` threads
+        each run a step, every step runs at min(1, cpu_cores / (n * threads)) of full speed
+        (processor sharing; `costs` then carries no static slowdown). None: full speed."""
         if concurrency < 1 or not sessions:
             raise ValueError("need concurrency >= 1 and at least one session")
         self.split, self.costs, self.limits = split, costs, limits
@@ -171,6 +180,8 @@ class Simulator:
         self._barrier = min(concurrency, len(sessions)) if trajectory_start else 0
         self._reached: set[int] = set()
         self._parked: list = []
+        self.cpu_cores = cpu_cores
+        self._computing: list[_Rank] = []  # ranks inside a step (CPU sharing)
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
@@ -330,9 +341,30 @@ class Simulator:
                 if not r.prefilling:
                     r.stall += dur  # the step's prompt chunks, paid by each of its decode rows
             dur += c.decode_s(len(decode_ctx), sum(decode_ctx) / len(decode_ctx))
-        self._at(self.now + dur, self._step_end, rank, batch)
+        if self.cpu_cores is None:
+            self._at(self.now + dur, self._step_end, rank, batch, rank.version)
+            return
+        rank.work, rank.since, rank.batch = dur, self.now, batch
+        self._computing.append(rank)
+        self._reshare()
 
-    def _step_end(self, rank: _Rank, batch: list[tuple[_Req, int]]) -> None:
+    def _reshare(self) -> None:
+        """Bring every computing rank's work up to date, set the speed the current number of
+        computing ranks gets, and (re)schedule their step ends (older end events go stale)."""
+        threads = getattr(self.costs, "threads", 1)
+        speed = min(1.0, self.cpu_cores / (threads * len(self._computing))) if self._computing else 1.0
+        for r in self._computing:
+            r.work = max(0.0, r.work - (self.now - r.since) * r.speed)
+            r.since, r.speed = self.now, speed
+            r.version += 1
+            self._at(self.now + r.work / speed, self._step_end, r, r.batch, r.version)
+
+    def _step_end(self, rank: _Rank, batch: list[tuple[_Req, int]], version: int) -> None:
+        if version != rank.version:
+            return  # rescheduled by a reshare
+        if self.cpu_cores is not None:
+            self._computing.remove(rank)
+            self._reshare()
         for r, n in batch:
             if r.prefilling:
                 r.computed += n
@@ -401,7 +433,9 @@ class Simulator:
 
 def simulate(split: Split, costs: StepCosts, sessions: list[Session], concurrency: int,
              limits: Limits = Limits(), duration_s: float | None = None,
-             trajectory_start: tuple[float, float] | None = None, seed: int = 42) -> list[RequestResult]:
+             trajectory_start: tuple[float, float] | None = None, seed: int = 42,
+             cpu_cores: float | None = None) -> list[RequestResult]:
     """Per-request results of `sessions` served by `split` (see the module docstring and
     Simulator)."""
-    return Simulator(split, costs, sessions, concurrency, limits, duration_s, trajectory_start, seed).run()
+    return Simulator(split, costs, sessions, concurrency, limits, duration_s, trajectory_start, seed,
+                     cpu_cores).run()

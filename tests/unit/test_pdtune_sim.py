@@ -162,6 +162,21 @@ def test_agentx_warmup_barrier_aligns_sessions_at_t_star():
     assert sorted((r.start_s, r.ttft_s) for r in res) == [(7.0, 2.0), (7.0, 2.0), (9.0, 1.0)]
 
 
+def test_ranks_computing_at_once_share_the_cores():
+    # 2 colocated ranks, 1 core for both: two 128-token prompts (2 s each at full speed) run
+    # side by side at half speed -> both first tokens at 4. One 64-token prompt alone: 1 s.
+    res = simulate(Split(colocated=2), Fixed(), synthetic(128, 1, 2), concurrency=2, cpu_cores=1.0)
+    assert [r.ttft_s for r in res] == [4.0, 4.0]
+    # Staggered: A (128: 2 s of work) at 0, B (64: 1 s) at 1. 0 -> 1 A alone (1 s of work
+    # done); 1 -> 3 both at half speed (A's last second, B's whole second): both end at 3.
+    sessions = [Session("a", (Call(128, 1),)), Session("b", (Call(64, 1, delay_s=1.0),))]
+    res = simulate(Split(colocated=2), Fixed(), sessions, concurrency=2, cpu_cores=1.0)
+    assert sorted((r.start_s, r.e2e_s) for r in res) == [(0.0, 3.0), (1.0, 2.0)]
+    # 2 cores for 2 ranks: no slowdown.
+    res = simulate(Split(colocated=2), Fixed(), synthetic(128, 1, 2), concurrency=2, cpu_cores=2.0)
+    assert [r.ttft_s for r in res] == [2.0, 2.0]
+
+
 def test_splits_and_names():
     assert [s.name for s in splits(1)] == ["colocated-1"]
     assert [s.name for s in splits(4)] == ["colocated-4", "1P3D", "2P2D", "3P1D"]
@@ -206,6 +221,7 @@ def test_cost_curves_interpolate_and_pick_threads(tmp_path):
     four = back.for_ranks(4)  # 4 ranks on 2 cores: 1 thread each, twice as slow
     assert (four.threads, four.slowdown, four.decode_s(2, 0)) == (1, 2.0, 1.5)
     assert back.for_ranks(4, cores=8).slowdown == 1.0  # planning past this machine: 2 threads each
+    assert back.for_ranks(4, shared=True).slowdown == 1.0  # the simulator shares the cores itself
 
 
 def test_weka_trace_directory_loads_gaps_and_subagents(tmp_path):
