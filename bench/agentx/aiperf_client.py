@@ -1,0 +1,149 @@
+"""Running aiperf (the benchmark client, `.venv-bench` from scripts/setup_aiperf.sh) and reading
+what it exports.
+
+Two workloads:
+  * `agentx_cmd`: the AgentX replay (`--scenario inferencex-agentx-mvp` over a `weka_trace`
+    directory): ignore_eos, max_tokens from the trace, recorded think-time gaps, subagents,
+    a `[rid:...]` cache-bust marker per trajectory, a warm-up phase (max_tokens=1) that primes
+    each trajectory's prefix before the profiled phase;
+  * `synthetic_cmd`: random prompts of a fixed length (`--isl/--osl`, ignore_eos).
+Both run offline: a local tokenizer directory, no GPU telemetry, no UI, 127.0.0.1 only.
+
+An artifact directory holds `profile_export_aiperf.json` (summary: each metric a dict with
+`unit`, `avg` and, for per-request metrics, `p50`/`p90`/`p99`/...) and `profile_export.jsonl`
+(one record per request: `metadata.benchmark_phase` is "warmup" or "profiling",
+`metrics.<name>.value`, and `error` on failed requests).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SUMMARY = "profile_export_aiperf.json"
+RECORDS = "profile_export.jsonl"
+PERCENTILES = ("p50", "p90", "p99")
+
+
+def aiperf_path() -> Path:
+    """The aiperf executable, set up on first use by scripts/setup_aiperf.sh (minutes, once)."""
+    beside = Path(sys.executable).parent / "aiperf"
+    if beside.exists():
+        return beside
+    out = subprocess.run([str(ROOT / "scripts" / "setup_aiperf.sh")], check=True, text=True,
+                         stdout=subprocess.PIPE).stdout
+    return Path(out.strip().splitlines()[-1])
+
+
+def _common(url: str, model: str, tokenizer: Path, artifact_dir: Path, concurrency: int) -> list[str]:
+    return ["--model", model, "--url", url, "--tokenizer", str(tokenizer),
+            "--endpoint", "/v1/chat/completions", "--endpoint-type", "chat", "--streaming",
+            "--concurrency", str(concurrency), "--random-seed", "42", "--artifact-dir", str(artifact_dir),
+            "--no-gpu-telemetry", "--ui", "none"]
+
+
+def agentx_cmd(url: str, model: str, tokenizer: Path, trace_dir: Path, artifact_dir: Path,
+               concurrency: int, duration_s: float) -> list[str]:
+    """`aiperf profile` for the AgentX replay of `trace_dir` for `duration_s` (profiled phase)."""
+    return [str(aiperf_path()), "profile", *_common(url, model, tokenizer, artifact_dir, concurrency),
+            "--scenario", "inferencex-agentx-mvp", "--unsafe-override", "--use-server-token-count",
+            "--custom-dataset-type", "weka_trace", "--input-file", str(trace_dir),
+            "--benchmark-duration", str(duration_s)]
+
+
+def synthetic_cmd(url: str, model: str, tokenizer: Path, artifact_dir: Path, concurrency: int,
+                  requests: int, isl: int = 512, osl: int = 128) -> list[str]:
+    """`aiperf profile` sending `requests` random `isl`-token prompts for exactly `osl` tokens
+    (after one warm-up request)."""
+    return [str(aiperf_path()), "profile", *_common(url, model, tokenizer, artifact_dir, concurrency),
+            "--isl", str(isl), "--isl-stddev", "0", "--osl", str(osl), "--osl-stddev", "0",
+            "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
+            "--request-count", str(requests), "--warmup-request-count", "1"]
+
+
+def run(cmd: list[str], artifact_dir: Path, timeout_s: float) -> int:
+    """Run aiperf with its console output in `artifact_dir`/aiperf.log; returns its exit code
+    (124 when it ran past `timeout_s` and was killed)."""
+    artifact_dir.mkdir(parents=True, exist_ok=True)
+    with open(artifact_dir / "aiperf.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            import os
+            import signal
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return 124
+
+
+@dataclass(frozen=True)
+class Result:
+    """One aiperf run's numbers (latencies in ms, throughputs per second)."""
+
+    ttft: dict[str, float]  # p50/p90/p99/avg
+    itl: dict[str, float]
+    e2e: dict[str, float]
+    output_tps: float
+    input_tps: float
+    request_throughput: float
+    requests: int  # profiled requests that completed (success + error)
+    errors: int
+    duration_s: float
+
+    def to_json(self) -> dict:
+        return {"ttft_ms": self.ttft, "itl_ms": self.itl, "e2e_ms": self.e2e,
+                "output_tok_s": self.output_tps, "input_tok_s": self.input_tps,
+                "request_throughput": self.request_throughput, "requests": self.requests,
+                "errors": self.errors, "duration_s": self.duration_s}
+
+
+def _pcts(metric: dict | None) -> dict[str, float]:
+    metric = metric or {}
+    return {k: float(metric[k]) for k in (*PERCENTILES, "avg") if k in metric}
+
+
+def _avg(summary: dict, name: str) -> float:
+    return float((summary.get(name) or {}).get("avg", 0.0))
+
+
+def load_result(artifact_dir: Path) -> Result:
+    """Read a finished run's summary. Raises FileNotFoundError when aiperf wrote none."""
+    summary = json.loads((artifact_dir / SUMMARY).read_text())
+    records = list(load_records(artifact_dir))
+    errors = max(sum(1 for r in records if r.get("error")),
+                 sum(int(e.get("count", 1)) for e in summary.get("error_summary") or []))
+    completed = int(_avg(summary, "completed_request_count") or _avg(summary, "request_count"))
+    return Result(ttft=_pcts(summary.get("time_to_first_token")), itl=_pcts(summary.get("inter_token_latency")),
+                  e2e=_pcts(summary.get("request_latency")), output_tps=_avg(summary, "output_token_throughput"),
+                  input_tps=_avg(summary, "input_token_throughput"),
+                  request_throughput=_avg(summary, "request_throughput"),
+                  requests=max(completed, len(records)), errors=errors,
+                  duration_s=_avg(summary, "benchmark_duration"))
+
+
+def load_records(artifact_dir: Path, phase: str = "profiling"):
+    """Per-request records of `phase` ("profiling" or "warmup") from profile_export.jsonl."""
+    path = artifact_dir / RECORDS
+    if not path.exists():
+        return
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                if rec.get("metadata", {}).get("benchmark_phase", phase) == phase:
+                    yield rec
+
+
+def record_values(artifact_dir: Path, metric: str) -> list[float]:
+    """One metric's per-request values (profiled, successful requests) for distributions."""
+    out = []
+    for rec in load_records(artifact_dir):
+        m = rec.get("metrics", {}).get(metric)
+        if m is not None and not rec.get("error"):
+            out.append(float(m["value"]))
+    return out
