@@ -22,6 +22,9 @@ class RankConfig:
     connect_timeout_s: float = opt(60.0, "exit when no router welcomes this rank within this long")
     hello_interval_s: float = opt(2.0, "repeat Hello this often until the router answers")
     warmup: bool = opt(True, "run one tiny request before saying Hello (kernel builds, first-step costs)")
+    rejoin: bool = opt(False, "when the router goes away (connection closed, or silent), drop every request "
+                              "and say Hello again (a restarted router takes the rank back) instead of exiting; "
+                              "for ranks started by hand")
     cluster_secret: str = opt("", "shared secret of the cluster (ZeroMQ CURVE on rank sockets); default "
                                   "$PDSERVE_CLUSTER_SECRET, which keeps it out of `ps`")
 

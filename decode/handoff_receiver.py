@@ -162,6 +162,15 @@ class HandoffReceiver:
             self._tombstones[rid] = self.clock() + TOMBSTONE_S
         return False
 
+    def drop_all(self, why: str) -> None:
+        """The router is gone: answer every queued handoff PullFailed; reads in flight finish
+        and are released (as aborted). Nothing goes to the router."""
+        while self.queue:
+            inc = self.queue.popleft()
+            self.send_peer(inc.sender, PullFailed(inc.handoff.request_id, why))
+        for inc in self.pulling.values():
+            inc.aborted = True
+
     def on_live_prefill(self, names: set[str]) -> None:
         """The router's Peers: drop prefill ranks that are gone, failing what came from them."""
         for ident, name in list(self.peers.items()):

@@ -20,7 +20,8 @@ handoff_receiver.py queues them, pulls their KV when the engine has room and com
 (its docstring has the steps); from then on steps 3-6 apply, with the prefill rank's phase
 times and the pull's carried into the last event. The prefill role is prefill/rank.py.
 The process exits when the router rejects it, asks it to, or goes silent (rank_link.py),
-and on SIGTERM/SIGINT: nothing is left behind by a dead router.
+and on SIGTERM/SIGINT: nothing is left behind by a dead router. With --rejoin it drops every
+request instead when the router goes away (RouterLost) and joins the next router as a fresh rank.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import msgspec
 from decode.config import HandoffConfig, RankConfig
 from decode.faults import FAULT_ENV, faults_for
 from decode.peer_link import PeerMessage, PeerSockets
-from decode.rank_link import RankLink
+from decode.rank_link import RankLink, RouterLost
 from pd_server.cli_args import add_dataclass_args, from_args
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.prefill_decode import PAGES_REGION, STATES_REGION, Handoff, PeerHello
@@ -133,7 +134,10 @@ class RankLoop:
         except queue.Empty:
             return
         while True:
-            self._on_message(msg)
+            if isinstance(msg, RouterLost):
+                self._drop_all(msg.reason)
+            else:
+                self._on_message(msg)
             try:
                 msg = self.link.inbox.get_nowait()
             except queue.Empty:
@@ -148,6 +152,14 @@ class RankLoop:
     def _abort(self, rid: str) -> None:
         if self.engine.abort(rid) is not None:
             self._forget(rid)
+
+    def _drop_all(self, why: str) -> None:
+        """The router is gone (RouterLost): end every request here, telling no one (no router
+        awaits them); roles also drop what they hold outside the engine."""
+        rids = list(self.engine.seqs)
+        for rid in rids:
+            self._abort(rid)
+        log.warning("dropped %d request(s): %s", len(rids), why)
 
     def _generate(self, msg: Generate) -> None:
         from engine.sampling_params import SamplingParams
@@ -232,6 +244,10 @@ class DecodeLoop(RankLoop):
             r.on_live_prefill({p.name for p in msg.peers if p.role == "prefill"})
         elif isinstance(msg, Generate):
             self.link.send(RequestError(msg.request_id, 500, "this is a decode-only rank: it takes handoffs"))
+
+    def _drop_all(self, why: str) -> None:
+        self.receiver.drop_all(why)
+        super()._drop_all(why)
 
     def _progress(self) -> None:
         for c in self.receiver.progress():

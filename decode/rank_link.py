@@ -4,7 +4,10 @@ Threads:
   * the IO thread (this module) owns the DEALER connected to the router and the PULL end of
     an inproc pipe; it says Hello until Welcome, forwards what the engine thread pushes,
     puts Generate/Abort into `inbox`, sends RankStats every heartbeat, and decides when the
-    rank must exit (Reject, Shutdown, router silent, no Welcome in time);
+    rank must exit (Reject, Shutdown, router silent, no Welcome in time, a failed handshake:
+    another cluster secret). With --rejoin, a lost router (connection closed, or silent) makes
+    the rank start over instead: a new socket and identity, RouterLost to the engine thread,
+    Hello until a router (the restarted one) welcomes it as a fresh rank;
   * the engine thread (the caller) owns the engine and the PUSH end of the pipe: it calls
     `send()` / `send_peer()` and reads `inbox`, and stops when `stopped` is set.
 PD ranks also hand the IO thread their rank-to-rank sockets (peer_link.py): it keeps the
@@ -20,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
@@ -37,9 +41,18 @@ log = logging.getLogger(__name__)
 
 EXIT_REJECTED = 3  # the router refused this rank (version or model mismatch, cluster secret)
 EXIT_NO_ROUTER = 4  # no Welcome in time, or the router went silent
+HANDSHAKE_ATTEMPTS = 3  # failed handshakes in a row (ZeroMQ retries every 100 ms) before giving up
 
 
-Inbound = Generate | Abort | Peers | PeerMessage
+@dataclass(frozen=True)
+class RouterLost:
+    """In-process only (IO thread -> engine thread): the router is gone and this rank rejoins
+    (--rejoin) as a fresh rank: drop every request, free its pages (nobody awaits its tokens)."""
+
+    reason: str
+
+
+Inbound = Generate | Abort | Peers | PeerMessage | RouterLost
 
 
 class RankLink:
@@ -62,20 +75,34 @@ class RankLink:
         self._push = self._ctx.socket(zmq.PUSH)  # engine thread
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.connect(pipe)
-        self._dealer = self._ctx.socket(zmq.DEALER)  # IO thread
-        self._dealer.setsockopt(zmq.IDENTITY, f"{cfg.name}-{hello.pid}".encode())
-        self._dealer.setsockopt(zmq.SNDHWM, 0)
-        self._dealer.setsockopt(zmq.RCVHWM, 0)
-        self._dealer.setsockopt(zmq.LINGER, 500)  # let Goodbye leave on exit
-        secure_client(self._dealer, cfg.secret)
-        self._monitor = self._dealer.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        self._dealer.connect(cfg.router_addr)
+        self._generation = 0  # sockets opened to the router so far (a rejoin opens a new one)
+        self._dealer, self._monitor = self._open_dealer()  # IO thread
         self._enc = msgspec.msgpack.Encoder()  # engine thread
         self._thread = threading.Thread(target=self._run, name="rank-io", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def _open_dealer(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """A DEALER to the router (identity "<name>-<pid>", then "-<n>" per rejoin) and its monitor."""
+        dealer = self._ctx.socket(zmq.DEALER)
+        ident = f"{self.cfg.name}-{self._hello.pid}" + (f"-{self._generation}" if self._generation else "")
+        self._generation += 1
+        dealer.setsockopt(zmq.IDENTITY, ident.encode())
+        dealer.setsockopt(zmq.SNDHWM, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.setsockopt(zmq.LINGER, 500)  # let Goodbye leave on exit
+        secure_client(dealer, self.cfg.secret)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED
+                                            | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        dealer.connect(self.cfg.router_addr)
+        return dealer, monitor
+
+    def _close_dealer(self, linger: int | None = None) -> None:
+        self._dealer.disable_monitor()
+        self._monitor.close(linger=0)
+        self._dealer.close(linger=linger)
 
     def send(self, msg: msgspec.Struct) -> None:
         """Engine thread only: queue one message for the router."""
@@ -109,9 +136,7 @@ class RankLink:
             self._dealer.send(Codec().encode(Goodbye(self.stop_reason)), zmq.DONTWAIT)
         except zmq.ZMQError:
             pass
-        self._dealer.disable_monitor()
-        self._monitor.close(linger=0)
-        self._dealer.close()
+        self._close_dealer()
         self._pull.close(linger=0)
         if self.peers is not None:
             self.peers.close()
@@ -126,7 +151,7 @@ class RankLink:
         for sock in peer_socks:
             poller.register(sock, zmq.POLLIN)
         started = time.monotonic()
-        welcomed, heartbeat = False, 0.5
+        welcomed, heartbeat, failed_handshakes = False, 0.5, 0
         next_hello = next_stats = last_router = started
         while not self.stopped.is_set():
             now = time.monotonic()
@@ -139,17 +164,26 @@ class RankLink:
                     except zmq.Again:
                         break
                     if not dest.bytes:
-                        self._dealer.send(frame, copy=False)
+                        if welcomed:  # NOTE: after a rejoin, frames of dropped requests wait for no one
+                            self._dealer.send(frame, copy=False)
                     elif self.peers is not None:
                         self.peers.send(dest.bytes, frame.bytes)
             for sock in peer_socks & events.keys():
                 for pm in self.peers.recv(sock):
                     self.inbox.put(pm)
+            lost = ""
             if self._monitor in events:
-                reason = handshake_failure(parse_monitor_message(self._monitor.recv_multipart())["event"], "client")
-                if reason:  # NOTE: ZeroMQ would retry forever; the secret will not change
+                event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+                reason = handshake_failure(event, "client")
+                if reason or event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    failed_handshakes = failed_handshakes + 1 if reason else 0
+                # NOTE: ZeroMQ would retry forever and the secret will not change; one failure alone may
+                # be a router closing mid-handshake (it is starting or stopping), so it takes a few.
+                if failed_handshakes >= HANDSHAKE_ATTEMPTS:
                     self.stop(f"router at {cfg.router_addr} refused this rank: {reason}", EXIT_REJECTED)
                     break
+                if event == zmq.EVENT_DISCONNECTED and welcomed and cfg.rejoin:
+                    lost = "the router's connection closed"
             if self._dealer in events:
                 while True:
                     try:
@@ -194,8 +228,21 @@ class RankLink:
                     next_hello = now + cfg.hello_interval_s
             else:
                 if now - last_router > cfg.router_timeout_s:
-                    self.stop(f"router silent for {now - last_router:.1f}s; assuming it is gone",
-                              EXIT_NO_ROUTER)
+                    lost = f"router silent for {now - last_router:.1f}s; assuming it is gone"
+                    if not cfg.rejoin:
+                        self.stop(lost, EXIT_NO_ROUTER)
+                if lost and cfg.rejoin:
+                    # Start over as a fresh rank: a new socket (frames queued for the old router are
+                    # dropped, the new identity is unknown to any router), every request dropped.
+                    log.warning("%s: dropping every request and saying Hello again", lost)
+                    poller.unregister(self._dealer)
+                    poller.unregister(self._monitor)
+                    self._close_dealer(linger=0)
+                    self._dealer, self._monitor = self._open_dealer()
+                    poller.register(self._dealer, zmq.POLLIN)
+                    poller.register(self._monitor, zmq.POLLIN)
+                    self.inbox.put(RouterLost(lost))
+                    welcomed, started, next_hello = False, now, now
                 elif now >= next_stats:
                     self._dealer.send(codec.encode(self._stats()))
                     next_stats = now + heartbeat

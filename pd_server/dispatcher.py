@@ -259,6 +259,11 @@ class Dispatcher:
             return
         now = time.monotonic()
         if isinstance(msg, Hello):
+            same = self.registry.ranks.get(f"{msg.role}-{msg.index}")
+            if rank is None and same is not None and same.live and same.pid == msg.pid and same.process is None:
+                # The same process on a new socket (it rejoined after losing this router's connection):
+                # it dropped every request, so they fail now rather than at the silence timeout.
+                self._rank_died(same, f"{same.name} (pid {same.pid}) rejoined on a new connection")
             reply = self.registry.on_hello(identity, msg, now, self.cfg.heartbeat_interval_s)
             if isinstance(reply, Reject):
                 log.warning("refusing rank %s-%d (pid %d): %s", msg.role, msg.index, msg.pid, reply.reason)

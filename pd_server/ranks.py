@@ -5,10 +5,12 @@ A rank's states:
     loading --Hello accepted--> ready --silent past the timeout / process gone / Goodbye--> dead
     loading --no Hello within its start timeout / process gone--> dead
 Expected ranks (the ones the launcher started) are listed from the start as `loading`;
-a rank may also join later by saying Hello (started by hand). Dead is final for the process:
-one that speaks again after being declared dead (a hung rank that wakes up) is told to shut
-down, and its Hello is refused, since its requests failed. The launcher's supervisor may
-start a new process under the same name (`expect` again): a fresh rank with a new identity.
+a rank may also join later by saying Hello (started by hand). Dead is final for the process
+(its ZeroMQ identity): one that speaks again after being declared dead (a hung rank that wakes
+up) is told to shut down, and its Hello is refused, since its requests failed. A new identity
+may take a dead name as a fresh rank: a new process, or one that rejoined (--rejoin) on a new
+socket, when started by hand; when the launcher started it, only the launcher's supervisor
+(`expect` again).
 """
 from __future__ import annotations
 
@@ -97,6 +99,8 @@ class RankRegistry:
         if known is not None and known.state == DEAD:  # a hung process woke up after its restart
             return Reject(f"this process was declared dead as {name} ({known.dead_reason}); exit")
         rank = self.ranks.get(name)
+        if rank is not None and rank.state == DEAD and rank.process is None:  # started by hand, again
+            rank = self.ranks[name] = Rank(hello.role, hello.index, restarts=rank.restarts + 1)
         if rank is not None and rank.state == DEAD:
             return Reject(f"{name} was declared dead ({rank.dead_reason}); start it under a new index")
         if rank is not None and rank.identity not in (None, identity):

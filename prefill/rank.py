@@ -122,6 +122,12 @@ class PrefillLoop(RankLoop):
             self._forget(rid)
         # Handed off: the decode rank answers the Handoff (PullFailed or Pulled); the lease covers silence.
 
+    def _drop_all(self, why: str) -> None:
+        rids = [m.request_id for m in self._held] + list(self.engine.seqs)
+        for rid in rids:
+            self._on_abort(rid)  # handed-off KV stays pinned until Pulled/PullFailed or its lease
+        log.warning("dropped %d request(s): %s", len(rids), why)
+
     def _on_peers(self, msg: Peers) -> None:
         self._live_decode = {p.name for p in msg.peers if p.role == "decode"}
         for name in list(self._rejected):

@@ -178,26 +178,38 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def test_router_restart_under_standalone_ranks_leaves_nothing_behind(tmp_path):
+    """colocated-0 runs with --rejoin (re-registers with the new router), colocated-1 without (exits)."""
     addr = f"tcp://127.0.0.1:{free_port()}"
     routers, ranks = [_router_only(tmp_path, addr)], []
     try:
-        rank_log = open(tmp_path / "rank.log", "wb")  # noqa: SIM115
-        ranks.append(subprocess.Popen([sys.executable, "-m", "decode.fake_rank", "--router-addr", addr, "--index", "0"],
-                                      cwd=ROOT, stdin=subprocess.DEVNULL, stdout=rank_log, stderr=subprocess.STDOUT))
-        rank_log.close()
+        for i, extra in ((0, ["--rejoin"]), (1, [])):
+            with open(tmp_path / f"rank-{i}.log", "wb") as log:
+                ranks.append(subprocess.Popen([sys.executable, "-m", "decode.fake_rank", "--router-addr", addr,
+                                               "--index", str(i), *extra], cwd=ROOT, stdin=subprocess.DEVNULL,
+                                              stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 30
-        while _health(routers[0])["status"] != "ok":
+        while [r["state"] for r in _health(routers[0])["ranks"]] != ["ready", "ready"]:
             assert time.monotonic() < deadline, _health(routers[0])
             time.sleep(0.2)
-        routers[0].kill()  # kill -9: no Shutdown reaches the rank
+        routers[0].kill()  # kill -9: no Shutdown reaches the ranks
         routers[0].wait(timeout=10)
         routers.append(_router_only(tmp_path, addr))
         t0 = time.monotonic()
-        ranks[0].wait(timeout=15)  # exits cleanly (stale frames answered by Shutdown, or the router silent)
-        assert ranks[0].returncode in (0, 4) and time.monotonic() - t0 < 15
-        log = (tmp_path / "rank.log").read_text()
+        ranks[1].wait(timeout=15)  # exits cleanly (stale frames answered by Shutdown, or the router silent)
+        assert ranks[1].returncode in (0, 4) and time.monotonic() - t0 < 15
+        log = (tmp_path / "rank-1.log").read_text()
         assert "router asked to shut down" in log or "router silent" in log
-        assert _health(routers[1])["ranks"] == []  # the new router has no stale rank
+        deadline = time.monotonic() + 20
+        while [(r["name"], r["state"], r["pid"]) for r in _health(routers[1])["ranks"]] != \
+                [("colocated-0", "ready", ranks[0].pid)]:
+            assert time.monotonic() < deadline, _health(routers[1])
+            time.sleep(0.2)
+        r = httpx.post(routers[1].url + "/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.headers["x-pdserve-rank"] == "colocated-0"
+        assert "saying Hello again" in (tmp_path / "rank-0.log").read_text()
+        ranks[0].terminate()
+        assert ranks[0].wait(timeout=10) == 0
     finally:
         for p in ranks + routers:
             _kill(p)

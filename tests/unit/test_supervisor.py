@@ -111,3 +111,13 @@ def test_fault_spec():
     for bad in ("decode-0:delay_pul:1", "decode-0", "a:b:c:d"):
         with pytest.raises(ValueError):
             parse_faults(bad, "decode-0")
+
+
+def test_a_dead_rank_started_by_hand_may_come_back_under_a_new_identity_only():
+    reg = RankRegistry(MODEL)
+    assert isinstance(reg.on_hello(b"colocated-0-7", hello(7), 0.0, 0.5), Welcome)
+    reg.mark_dead(reg.ranks["colocated-0"], "silent")
+    assert isinstance(reg.on_hello(b"colocated-0-7", hello(7), 1.0, 0.5), Reject)  # the stale socket
+    assert isinstance(reg.on_hello(b"colocated-0-7-1", hello(7), 1.0, 0.5), Welcome)  # rejoined (--rejoin)
+    fresh = reg.ranks["colocated-0"]
+    assert fresh.state == READY and fresh.restarts == 1 and fresh.inflight == set()
