@@ -344,7 +344,7 @@ def test_full_queues_and_pools_answer_429_or_503_and_never_lose_a_request(tmp_pa
     results: list[tuple[int, dict]] = []
 
     def one(i: int) -> None:
-        words = " ".join(f"w{i}x{j}" for j in range(25))  # ~120 tokens, distinct prompts: the host cache fills and evicts
+        words = " ".join(f"w{i}x{j}" for j in range(25))  # ~120 tokens; distinct: the host cache evicts
         r = complete(system, {"prompt": words, "max_tokens": 40, "ignore_eos": True}, timeout=150)
         results.append((r.status_code, r.json()))
 
