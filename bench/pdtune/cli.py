@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     sw = sub.choices["sweep"]
     sw.add_argument("--compare-sim", metavar="COSTS", help="print the simulator's prediction next to each number")
     sw.add_argument("--out", help="run directory (default: a new temp dir)")
-    sw.add_argument("--from-run", metavar="DIR", help="read an existing agentx_compare run instead of running")
+    sw.add_argument("--from-run", metavar="DIR", nargs="+",
+                    help="read finished agentx_compare runs instead of running (configurations merged, later wins)")
     sw.add_argument("--compare-args", default="", help="extra flags passed to scripts/agentx_compare.sh")
     args = ap.parse_args(argv)
     args.fn(args)

@@ -103,7 +103,7 @@ def _f(v: float, digits: int = 1) -> str:
 def table(rows: dict[str, dict], ttft_ms: float, itl_ms: float, predicted: dict[str, dict] | None = None) -> str:
     """Markdown table, one row per configuration (name -> summarize() output). With
     `predicted` (the simulator's, same keys) the goodput, TTFT p50 and ITL p50 cells show
-    `measured / predicted (error %)`."""
+    `measured / predicted (error: (measured - predicted) / predicted)`."""
     head = ["config", "requests", "SLO met", "goodput req/s", "req/s", "out tok/s", "TTFT p50", "TTFT p90",
             "TTFT p99", "ITL p50", "ITL p90", "ITL p99", "E2E p50", "E2E p99", "cached %", "TTFT phase",
             "ITL phase"]
@@ -115,8 +115,8 @@ def table(rows: dict[str, dict], ttft_ms: float, itl_ms: float, predicted: dict[
         def cell(key, digits=1):
             if p is None:
                 return _f(s[key], digits)
-            err = (s[key] - p[key]) / p[key] * 100 if p[key] else math.nan
-            return f"{_f(s[key], digits)} / {_f(p[key], digits)} ({_f(err, 0)}%)"
+            err = f"{(s[key] - p[key]) / p[key] * 100:+.0f}%" if p[key] else "n/a"
+            return f"{_f(s[key], digits)} / {_f(p[key], digits)} ({err})"
         ph_ttft, ph_itl = dominant(s["phases_ms"])
         lines.append("| " + " | ".join([
             name, str(s["requests"]), str(s["slo_met"]), cell("goodput_rps", 3), _f(s["throughput_rps"], 3),

@@ -107,9 +107,12 @@ def read_run(run_dir: str | Path, ttft_ms: float, itl_ms: float) -> dict[str, di
 
 def run_sweep(args) -> dict[str, dict]:
     """Run scripts/agentx_compare.sh for every split of args.ranks (unless --from-run names
-    a finished run) and return its aggregates per configuration."""
+    finished runs) and return the aggregates per configuration."""
     if args.from_run:
-        return read_run(args.from_run, args.ttft_ms, args.itl_ms)
+        rows = {}
+        for run in args.from_run:
+            rows.update(read_run(run, args.ttft_ms, args.itl_ms))
+        return rows
     if not args.workload:
         raise SystemExit("sweep replays a weka_trace directory (--workload); agentx_compare has no synthetic mode")
     out = Path(args.out or tempfile.mkdtemp(prefix="pd-tune-sweep-"))
