@@ -5,7 +5,8 @@
     scripts/pd_tune.py sweep    --workload DIR --ranks 2 --ttft-ms 2000 --itl-ms 200 [--duration 120]
                                 [--compare-sim costs.json]
 
-measure: this machine's cost curves (bench/pdtune/measure.py), once. simulate: every split of
+measure: this machine's cost curves (bench/pdtune/measure.py), once (this 2-core machine's, 1
+thread: bench/pdtune/costs/smollm2-135m-instruct-cpu2.json). simulate: every split of
 --ranks (colocated R, xPyD for x + y = R) replayed in the simulator (bench/pdtune/sim.py), any
 rank count and --cores (to plan past this machine). sweep: every split started for real and
 replayed with aiperf (scripts/agentx_compare.sh), per-request records read back. Both print the
