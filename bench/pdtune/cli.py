@@ -57,7 +57,7 @@ def _workload(args):
 
 
 def _splits(args):
-    from bench.pdtune.sim import Split, splits
+    from bench.pdtune.split import Split, splits
 
     if args.splits:
         chosen = [Split.parse(s) for s in args.splits.split(",")]
@@ -70,7 +70,8 @@ def _splits(args):
 def simulate_rows(args, costs_path: str, names: list[str] | None = None) -> dict[str, dict]:
     """Simulated aggregates per split name (all of args.ranks, or `names`)."""
     from bench.pdtune.costs import CostCurves
-    from bench.pdtune.sim import Limits, Split, simulate
+    from bench.pdtune.sim import simulate
+    from bench.pdtune.split import Limits, Split
 
     curves = CostCurves.load(costs_path)
     sessions = _workload(args)

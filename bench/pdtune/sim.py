@@ -34,63 +34,12 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from bench.pdtune.costs import StepCosts
 from bench.pdtune.report import RequestResult
-from bench.pdtune.workload import Call, Fork, Item, Session
-
-
-@dataclass(frozen=True)
-class Split:
-    """A configuration: `colocated` ranks, or `prefill` + `decode` ranks (PD)."""
-
-    colocated: int = 0
-    prefill: int = 0
-    decode: int = 0
-
-    def __post_init__(self) -> None:
-        if self.colocated < 0 or self.prefill < 0 or self.decode < 0:
-            raise ValueError("rank counts must be >= 0")
-        if bool(self.colocated) == bool(self.prefill or self.decode):
-            raise ValueError("a split is colocated N, or xPyD with x, y >= 1")
-        if not self.colocated and not (self.prefill and self.decode):
-            raise ValueError("PD needs at least one prefill and one decode rank")
-
-    @property
-    def ranks(self) -> int:
-        return self.colocated + self.prefill + self.decode
-
-    @property
-    def name(self) -> str:
-        return f"colocated-{self.colocated}" if self.colocated else f"{self.prefill}P{self.decode}D"
-
-    @classmethod
-    def parse(cls, text: str) -> "Split":
-        t = text.strip().upper()
-        if t.startswith("COLOCATED-"):
-            return cls(colocated=int(t.split("-", 1)[1]))
-        p, _, d = t.partition("P")
-        if not d.endswith("D"):
-            raise ValueError(f"not a split name: {text!r} (colocated-N or xPyD)")
-        return cls(prefill=int(p), decode=int(d[:-1]))
-
-
-def splits(ranks: int) -> list[Split]:
-    """Colocated `ranks`, then every xPyD with x + y = ranks (x ascending)."""
-    if ranks < 1:
-        raise ValueError("ranks must be >= 1")
-    return [Split(colocated=ranks)] + [Split(prefill=x, decode=ranks - x) for x in range(1, ranks)]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The engine and router knobs the simulation mirrors (their defaults)."""
-
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    page_size: int = 16
-    load_tokens: int = 256  # CacheAware's price of one request in flight, in prompt tokens
+from bench.pdtune.split import Limits, Split
+from bench.pdtune.workload import Call, Fork, Session, entered_at
 
 
 @dataclass(eq=False)
@@ -134,23 +83,6 @@ class _Rank:
     routed: int = 0
     handoffs: deque = field(default_factory=deque)
     pulling: bool = False
-
-
-def entered_at(items: tuple[Item, ...], t_star: float) -> tuple[Item, ...]:
-    """A session entered at t* as aiperf's AgentX replay does it: one warm-up call (the last
-    top-level call recorded before t*, 1 output token: it puts the conversation's prefix in
-    the cache; unreported), then the items from the first recorded at or after t* (its idle
-    gap counted from t*). Items before it are not sent."""
-    def start(item: Item) -> float:
-        return item.t if isinstance(item, Call) else min((c[0].t for c in item.chains if c), default=0.0)
-    k = next((i for i, it in enumerate(items) if start(it) >= t_star), len(items))
-    if k == 0:
-        return items
-    warm = [it for it in items[:k] if isinstance(it, Call)]
-    out: list[Item] = [replace(warm[-1], output_tokens=1, delay_s=0.0, warmup=True)] if warm else []
-    if k < len(items):
-        out.append(replace(items[k], delay_s=max(0.0, start(items[k]) - t_star)))
-    return tuple(out) + items[k + 1:]
 
 
 class Simulator:

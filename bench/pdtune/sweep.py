@@ -68,7 +68,7 @@ def parse_profile_export(path: str | Path) -> tuple[list[RequestResult], int]:
 
 def split_name(name: str) -> str:
     """A configuration's name as compare.py may write it -> pd_tune's (colocated-N, xPyD)."""
-    from bench.pdtune.sim import Split
+    from bench.pdtune.split import Split
 
     t = name.strip().lower().replace("_", "-")
     for prefix in ("colocated-", "colocated", "colo-", "colo"):

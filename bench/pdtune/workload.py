@@ -16,12 +16,12 @@ aiperf/dataset/loader/weka_trace.py):
     traces (aiperf also puts a per-session `[rid:...]` marker at the start of the prompt).
 AgentX's trajectory start (aiperf --scenario inferencex-agentx-mvp: each trajectory entered
 at a random t* in [0.25, 0.75] of its recorded duration, the calls before t* sent as an
-unprofiled warm-up) is the simulator's `trajectory_start` (sim.entered_at), from each Call's `t`.
+unprofiled warm-up) is the simulator's `trajectory_start` (`entered_at` below), from each Call's `t`.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -32,8 +32,8 @@ class Call:
     hash_ids: tuple[int, ...] = ()
     block_size: int = 16
     delay_s: float = 0.0  # idle time before it is sent, after what precedes it in its chain
-    t: float = 0.0  # recorded start in the trace (s): where AgentX enters a session (sim.entered_at)
-    warmup: bool = False  # sent unreported, to warm the cache (sim.entered_at)
+    t: float = 0.0  # recorded start in the trace (s): where AgentX enters a session (entered_at below)
+    warmup: bool = False  # sent unreported, to warm the cache (entered_at below)
 
 
 @dataclass(frozen=True)
@@ -130,3 +130,20 @@ def load_trace_dir(path: str | Path) -> list[Session]:
     if not sessions:
         raise ValueError(f"no weka trace files (*.json with 'requests') in {p}")
     return sessions
+
+
+def entered_at(items: tuple[Item, ...], t_star: float) -> tuple[Item, ...]:
+    """A session entered at t* as aiperf's AgentX replay does it: one warm-up call (the last
+    top-level call recorded before t*, 1 output token: it puts the conversation's prefix in
+    the cache; unreported), then the items from the first recorded at or after t* (its idle
+    gap counted from t*). Items before it are not sent."""
+    def start(item: Item) -> float:
+        return item.t if isinstance(item, Call) else min((c[0].t for c in item.chains if c), default=0.0)
+    k = next((i for i, it in enumerate(items) if start(it) >= t_star), len(items))
+    if k == 0:
+        return items
+    warm = [it for it in items[:k] if isinstance(it, Call)]
+    out: list[Item] = [replace(warm[-1], output_tokens=1, delay_s=0.0, warmup=True)] if warm else []
+    if k < len(items):
+        out.append(replace(items[k], delay_s=max(0.0, start(items[k]) - t_star)))
+    return tuple(out) + items[k + 1:]

@@ -11,7 +11,8 @@ import pytest
 
 from bench.pdtune.costs import CostCurves, Curve1, Grid2
 from bench.pdtune.report import RequestResult, goodput, percentile, recommend, summarize
-from bench.pdtune.sim import Limits, Split, simulate, splits
+from bench.pdtune.sim import simulate
+from bench.pdtune.split import Limits, Split, splits
 from bench.pdtune.workload import Call, Fork, Session, load_trace_dir, synthetic
 
 
