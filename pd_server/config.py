@@ -30,6 +30,8 @@ class RouterConfig:
     max_body_bytes: int = opt(16 * 2**20, "largest request body; past it: 413, before the body is read")
     body_timeout_s: float = opt(30.0, "a request body must arrive in full within this many seconds of its "
                                       "headers; else 408 (slowloris)")
+    header_timeout_s: float = opt(10.0, "a connection must deliver a request's headers within this many seconds "
+                                        "of opening (or of its previous response); else 408 and close")
     max_messages: int = opt(2048, "messages per chat request; past it: 400")
     max_tokens_limit: int = opt(32768, "largest max_tokens / max_completion_tokens a request may ask for, and "
                                        "the default for one that asks for none (the context length also "
@@ -50,8 +52,9 @@ class RouterConfig:
             raise ValueError("need 0 < heartbeat_interval_s < rank_timeout_s")
         if not self.rank_addr.startswith(("tcp://", "ipc://")):
             raise ValueError(f"rank_addr must be tcp:// or ipc://, got {self.rank_addr!r}")
-        if self.body_timeout_s <= 0:
-            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
+        for name in ("body_timeout_s", "header_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_body_bytes", "max_messages", "max_tokens_limit", "max_n", "max_stop", "max_stop_chars",
                      "max_tools", "max_tool_schema_bytes", "max_prompts"):
             if getattr(self, name) < 1:

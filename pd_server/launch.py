@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -118,6 +119,7 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
 
     from pd_server.app import build_app
     from pd_server.dispatcher import Dispatcher
+    from pd_server.http_protocol import header_timeout_protocol
     from pd_server.metrics import RouterMetrics
     from pd_server.prompts import ChatRenderer
     from pd_server.ranks import RankRegistry
@@ -143,7 +145,8 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
     ctx = ServerContext(cfg, model_name, frozenset({model_name, engine_cfg.model}), tokenizer,
                         ChatRenderer(tokenizer), registry, dispatcher, metrics)
     server = uvicorn.Server(uvicorn.Config(build_app(ctx), host=cfg.host, port=cfg.port, log_level="warning",
-                                           access_log=False, lifespan="off", timeout_graceful_shutdown=2))
+                                           access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+                                           http=header_timeout_protocol(cfg.header_timeout_s)))
     # uvicorn captures SIGINT/SIGTERM while serving and re-raises them afterwards: make that a no-op
     # so the cleanup below always runs.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -151,6 +154,9 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
     dispatcher.start()
     watch = asyncio.create_task(sup.run(), name="supervisor")
     log.info("serving %s on http://%s:%d with %d rank(s)", model_name, cfg.host, cfg.port, launch.num_ranks)
+    # Everything loaded so far (tokenizer, app, modules) lives as long as the router: keep it out
+    # of the cyclic GC's generations, whose full passes otherwise rescan it while tokens stream.
+    gc.freeze()
     try:
         await server.serve()
     finally:
