@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 EXIT_REJECTED = 3  # the router refused this rank (version or model mismatch, cluster secret)
 EXIT_NO_ROUTER = 4  # no Welcome in time, or the router went silent
 HANDSHAKE_ATTEMPTS = 3  # failed handshakes in a row (ZeroMQ retries every 100 ms) before giving up
+HANDSHAKE_GRACE_S = 3.0  # ... or this long after a failure with no successful handshake
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,8 @@ class RankLink:
         for sock in peer_socks:
             poller.register(sock, zmq.POLLIN)
         started = time.monotonic()
-        welcomed, heartbeat, failed_handshakes = False, 0.5, 0
+        welcomed, heartbeat, failed_handshakes, handshake_ok = False, 0.5, 0, False
+        refused_since, refused_reason = 0.0, ""
         next_hello = next_stats = last_router = started
         while not self.stopped.is_set():
             now = time.monotonic()
@@ -175,15 +177,25 @@ class RankLink:
             if self._monitor in events:
                 event = parse_monitor_message(self._monitor.recv_multipart())["event"]
                 reason = handshake_failure(event, "client")
-                if reason or event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    failed_handshakes = failed_handshakes + 1 if reason else 0
-                # NOTE: ZeroMQ would retry forever and the secret will not change; one failure alone may
-                # be a router closing mid-handshake (it is starting or stopping), so it takes a few.
-                if failed_handshakes >= HANDSHAKE_ATTEMPTS:
-                    self.stop(f"router at {cfg.router_addr} refused this rank: {reason}", EXIT_REJECTED)
-                    break
+                if event == zmq.EVENT_DISCONNECTED and not welcomed and not handshake_ok:
+                    # A CURVE router may close a plain client's connection before the client sees a
+                    # handshake failure: a close before any handshake succeeded counts as one.
+                    reason = handshake_failure(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, "client")
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    handshake_ok, failed_handshakes = True, 0
+                elif reason:
+                    failed_handshakes += 1
+                    refused_reason = reason
+                    refused_since = refused_since or time.monotonic()
                 if event == zmq.EVENT_DISCONNECTED and welcomed and cfg.rejoin:
                     lost = "the router's connection closed"
+            # NOTE: the secret will not change, so a refusal is final; but one failure alone may be a
+            # router closing mid-handshake (starting or stopping), and ZeroMQ does not always retry
+            # after a failed handshake: give up after a few failures or a grace time with no success.
+            if refused_since and not handshake_ok and (
+                    failed_handshakes >= HANDSHAKE_ATTEMPTS or time.monotonic() - refused_since > HANDSHAKE_GRACE_S):
+                self.stop(f"router at {cfg.router_addr} refused this rank: {refused_reason}", EXIT_REJECTED)
+                break
             if self._dealer in events:
                 while True:
                     try:
@@ -224,7 +236,12 @@ class RankLink:
                     self.stop(f"no router answered at {cfg.router_addr} within {cfg.connect_timeout_s}s",
                               EXIT_NO_ROUTER)
                 elif now >= next_hello:
-                    self._dealer.send(codec.encode(self._hello))
+                    # DONTWAIT: a DEALER with no connection blocks on send, and a refused handshake
+                    # may leave it with none for good; the refusal check above must keep running.
+                    try:
+                        self._dealer.send(codec.encode(self._hello), zmq.DONTWAIT)
+                    except zmq.Again:
+                        pass
                     next_hello = now + cfg.hello_interval_s
             else:
                 if now - last_router > cfg.router_timeout_s:
