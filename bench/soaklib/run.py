@@ -156,7 +156,11 @@ async def soak(url: str, cfg: SoakConfig, pid_of_router: int | None = None,
         if r.status_code != 200:
             raise RuntimeError(f"{url}/health answered {r.status_code}: {r.text[:300]}")
         health = r.json()
-        pids = {rk["name"]: rk["pid"] for rk in health["ranks"]}
+        # Only the ranks live now are watched: a rank that died before the soak (a shared test
+        # system whose earlier tests killed one) is not this run's finding.
+        pids = {rk["name"]: rk["pid"] for rk in health["ranks"] if rk.get("state") == "ready"}
+        if not pids:
+            raise RuntimeError(f"{url}/health lists no ready rank: {health['ranks']}")
         rpid = pid_of_router or router_pid(list(pids.values()))
         pids = {"router": rpid, **pids} if rpid else pids
         counted_before = await _api_requests(probe, url)
@@ -190,7 +194,7 @@ async def soak(url: str, cfg: SoakConfig, pid_of_router: int | None = None,
         try:
             await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
             load_s = time.monotonic() - t0
-            quiet_s, busy = await _wait_quiet(probe, url, cfg.quiet_timeout_s)
+            quiet_s, busy = await _wait_quiet(probe, url, cfg.quiet_timeout_s, set(pids) - {"router"})
         finally:
             sampling.cancel()
         samples.append(await _sample(probe, url, pids, t0))
@@ -220,13 +224,15 @@ async def _sample(probe: httpx.AsyncClient, url: str, pids: dict[str, int], t0: 
     return Sample(round(time.monotonic() - t0, 1), mem, ranks)
 
 
-async def _wait_quiet(probe: httpx.AsyncClient, url: str, timeout_s: float) -> tuple[float | None, dict]:
-    """(seconds until every rank was idle, {}) or (None, what was still busy at the timeout).
-    Idle must hold twice in a row: rank stats lag the router by up to a heartbeat."""
+async def _wait_quiet(probe: httpx.AsyncClient, url: str, timeout_s: float,
+                      names: set[str]) -> tuple[float | None, dict]:
+    """(seconds until every rank in `names` was idle, {}) or (None, what was still busy at the
+    timeout). Idle must hold twice in a row: rank stats lag the router by up to a heartbeat."""
     t0, streak, busy = time.monotonic(), 0, {}
     while time.monotonic() - t0 < timeout_s:
         ranks = await _health_ranks(probe, url)
-        busy = {n: b for n, rk in ranks.items() if (b := busy_fields(rk))} if ranks else {"health": "no answer"}
+        busy = ({n: b for n, rk in ranks.items() if n in names and (b := busy_fields(rk))} if ranks
+                else {"health": "no answer"})
         streak = 0 if busy else streak + 1
         if streak == 2:
             return round(time.monotonic() - t0, 1), {}
