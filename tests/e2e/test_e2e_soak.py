@@ -37,7 +37,8 @@ def check(res: SoakResult) -> None:
     assert t.outcomes["disconnected"] > 0 and t.outcomes["expected_4xx"] > 0 and t.faults["abort"] > 0
     assert sum(t.outcomes.values()) == t.finished
     assert res.quiet_s is not None and not res.busy, f"ranks still busy after the soak: {res.busy}"
-    assert all(r["pages_used"] == 0 and r["inflight"] == 0 for r in res.samples[-1].ranks.values())
+    watched = [r for name, r in res.samples[-1].ranks.items() if name in res.pids]  # live at the start
+    assert watched and all(r["pages_used"] == 0 and r["inflight"] == 0 for r in watched)
     assert not res.failures, res.failures
 
 
@@ -76,7 +77,9 @@ def test_soak_fake_ranks_backpressure(fake_system):
 def test_soak_colocated(colocated_system):
     res = asyncio.run(soak(colocated_system.url, SoakConfig(minutes=1.25, **SHORT), colocated_system.proc.pid))
     check(res)
-    assert set(res.pids) == {"router", "colocated-0", "colocated-1"}
+    # Earlier tests may have killed a rank of this shared system: the soak watches the live ones.
+    assert "router" in res.pids and set(res.pids) - {"router"} <= {"colocated-0", "colocated-1"}
+    assert len(res.pids) >= 2
     assert len(res.samples) >= 10  # one every 3 s over the load, plus start and end
 
 
