@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -43,68 +42,13 @@ from pd_server.config import RouterConfig
 from pd_server.errors import APIError
 from pd_server.metrics import RouterMetrics, phase_durations
 from pd_server.protocol.codec import Codec
-from pd_server.protocol.rank_router import (CacheEvents, Goodbye, Hello, RankStats, RequestError, TokenBatch,
-                                            TokenEvent)
+from pd_server.protocol.rank_router import CacheEvents, Goodbye, Hello, RankStats, RequestError, TokenBatch, TokenEvent
 from pd_server.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown
 from pd_server.ranks import DEAD, PD_ROLES, Rank, RankRegistry, version_mismatch
+from pd_server.request_state import Failure, Handle, Pending
 from pd_server.routing import RouteRequest, RoutingPolicy, expected_hit_tokens, pick_decode_rank, pick_rank
 
 log = logging.getLogger("pd_server.dispatcher")
-
-
-@dataclass(frozen=True)
-class Failure:
-    status: int
-    message: str
-
-
-@dataclass
-class _Pending:
-    msg: Generate
-    queue: asyncio.Queue
-    index: int  # choice index in the HTTP response
-    rank: Rank  # the colocated or prefill rank
-    arrival: float  # perf_counter at HTTP arrival
-    decode: Rank | None = None  # PD mode: the decode rank
-    last: float = 0.0  # perf_counter of the last token event; 0 before the first
-    retried: bool = False
-    received: int = 0  # output tokens delivered so far
-    early: dict[int, TokenEvent] = field(default_factory=dict)  # PD: events ahead of the first token, by offset
-
-    def ranks(self) -> list[Rank]:
-        return [self.rank] if self.decode is None else [self.rank, self.decode]
-
-
-@dataclass
-class Handle:
-    """One HTTP request's sub-requests. Iterate `batches()`; always `close()` (idempotent)."""
-
-    dispatcher: "Dispatcher"
-    sub_ids: list[str]
-    rank: Rank  # the colocated or prefill rank
-    decode: Rank | None = None  # PD mode
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    _open: int = 0
-
-    async def batches(self):
-        """Yields lists of (choice index, TokenEvent) as they arrive, until every sub-request
-        finished. Raises APIError on a Failure (the caller then closes the handle)."""
-        self._open = len(self.sub_ids)
-        q = self.queue
-        while self._open:
-            items = [await q.get()]
-            while not q.empty():
-                items.append(q.get_nowait())
-            for _, item in items:
-                if isinstance(item, Failure):
-                    raise APIError(item.status, item.message)
-                if item.finish_reason is not None:
-                    self._open -= 1
-            yield items
-
-    def close(self) -> None:
-        for sid in self.sub_ids:
-            self.dispatcher.abort(sid)
 
 
 class Dispatcher:
@@ -116,7 +60,7 @@ class Dispatcher:
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
-        self.pending: dict[str, _Pending] = {}
+        self.pending: dict[str, Pending] = {}
         self.address = ""
         self._codec = Codec()
         self._ctx = zmq.asyncio.Context()
@@ -176,7 +120,7 @@ class Dispatcher:
         now = time.time()
         for i, (sid, (prompt, sampling)) in enumerate(zip(handle.sub_ids, work)):
             msg = Generate(sid, prompt, sampling, now, decode.index if decode else -1)
-            p = self.pending[sid] = _Pending(msg, handle.queue, i, rank, arrival, decode)
+            p = self.pending[sid] = Pending(msg, handle.queue, i, rank, arrival, decode)
             for r in p.ranks():
                 r.inflight.add(sid)
             self._send(rank, msg)
@@ -194,7 +138,7 @@ class Dispatcher:
         if p is not None:
             self._abort_on_ranks(sub_id, p)
 
-    def _abort_on_ranks(self, sub_id: str, p: _Pending) -> None:
+    def _abort_on_ranks(self, sub_id: str, p: Pending) -> None:
         for r in p.ranks():
             r.inflight.discard(sub_id)
             if r.live:
@@ -309,7 +253,7 @@ class Dispatcher:
             while p.received in p.early and ev.request_id in self.pending:
                 self._deliver(p, p.early.pop(p.received), now)
 
-    def _deliver(self, p: _Pending, ev: TokenEvent, now: float) -> None:
+    def _deliver(self, p: Pending, ev: TokenEvent, now: float) -> None:
         m = self.metrics
         if p.last:
             m.itl.observe(now - p.last)
@@ -326,7 +270,7 @@ class Dispatcher:
             self._on_finished(p, ev, now)
         p.queue.put_nowait((p.index, ev))
 
-    def _on_finished(self, p: _Pending, ev: TokenEvent, now: float) -> None:
+    def _on_finished(self, p: Pending, ev: TokenEvent, now: float) -> None:
         m = self.metrics
         m.e2e.observe(now - p.arrival)
         if self.cfg.log_requests:
@@ -403,7 +347,7 @@ class Dispatcher:
         for r in live:
             self._send(r, msg)
 
-    def _retry(self, sid: str, p: _Pending) -> bool:
+    def _retry(self, sid: str, p: Pending) -> bool:
         """Re-send a sub-request that has no output yet to another live rank."""
         try:
             rank = pick_rank(self.registry, self.policy, RouteRequest(p.msg.prompt_ids, 1), p.rank.role,
