@@ -10,9 +10,15 @@ client measures what the router adds to each token (rank socket -> decode -> SSE
   * latency: fake paced at --step-ms per step (every stream gets one token a step), added
     latency per token p50/p99.
 Same-run reference: the fake rank read directly over ZeroMQ by this script (no router, no
-HTTP), the ceiling the rank side sets. Clients are raw asyncio sockets that only scan bytes,
-so the client costs little; on a 2-core machine the router still shares the CPU with them.
-Not a test: prints a table.
+HTTP), the ceiling the rank side sets. "added" = router minus direct at the same percentile
+(p50, p99): the fake rank's own pacing and batching jitter is in both and cancels out.
+"cpu us/tok" (paced runs): the router process's CPU seconds per token streamed, from /proc;
+unlike the latencies it hardly moves when other processes load the machine.
+The HTTP client (--client): `epoll` (default) reads every stream from one selector loop with
+no coroutines, so the client adds little of its own to the latency columns; `asyncio` is the
+first client (a task and StreamReader per stream), which at 256 streams adds several ms per
+step of its own. On a 2-core machine the router still shares the CPU with the client and the
+fake rank. Not a test: prints a table.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import asyncio
 import json
 import os
 import re
+import selectors
 import signal
 import socket
 import subprocess
@@ -59,6 +66,12 @@ def start_router(port: int, step_ms: float) -> subprocess.Popen:
     raise RuntimeError("router not healthy within 120 s")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (its threads, not its children), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def stop(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -70,40 +83,85 @@ def stop(proc: subprocess.Popen) -> None:
             pass
 
 
+def _request(max_tokens: int) -> bytes:
+    body = json.dumps({"prompt": "hi", "max_tokens": max_tokens, "stream": True}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+
+
+def _scan(buf: bytes, now: float, steady: float, lat: list[float]) -> tuple[bytes, int]:
+    """Count the complete events' tokens in buf (latencies once past `steady`); the rest of buf."""
+    cut = buf.rfind(b"\n\n")
+    if cut < 0:
+        return buf, 0
+    n = 0
+    for m in _TS.finditer(buf, 0, cut):
+        if now > steady:
+            lat.append(now - float(m.group(1)))
+        n += 1
+    return buf[cut:], n
+
+
 async def one_stream(port: int, max_tokens: int, lat: list[float], steady: float) -> int:
     """Stream one completion; append each token's latency (receive - rank send) once the run
     is in steady state (wall clock past `steady`: every stream has started)."""
-    body = json.dumps({"prompt": "hi", "max_tokens": max_tokens, "stream": True}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    writer.write(_request(max_tokens))
     await writer.drain()
     buf, n = b"", 0
     while True:
         data = await reader.read(1 << 16)
         if not data:
             break
-        now = time.time()
-        buf += data
-        cut = buf.rfind(b"\n\n")
-        if cut < 0:
-            continue
-        for m in _TS.finditer(buf, 0, cut):
-            if now > steady:
-                lat.append(now - float(m.group(1)))
-            n += 1
-        buf = buf[cut:]
+        buf, k = _scan(buf + data, time.time(), steady, lat)
+        n += k
     writer.close()
     return n
 
 
-async def run_streams(port: int, streams: int, max_tokens: int, warmup_s: float = 0.0):
-    """(tokens received, seconds, steady-state latencies)."""
+def run_streams_asyncio(port: int, streams: int, max_tokens: int, warmup_s: float = 0.0):
+    """The first client: one asyncio task per stream (StreamReader). (tokens, seconds, latencies)"""
+    async def run():
+        lat: list[float] = []
+        t0 = time.perf_counter()
+        steady = time.time() + warmup_s
+        counts = await asyncio.gather(*(one_stream(port, max_tokens, lat, steady) for _ in range(streams)))
+        return sum(counts), time.perf_counter() - t0, lat
+
+    return asyncio.run(run())
+
+
+def run_streams(port: int, streams: int, max_tokens: int, warmup_s: float = 0.0):
+    """(tokens received, seconds, steady-state latencies): every stream on one epoll loop, no
+    coroutines (a readable socket costs one recv and a regex scan)."""
     lat: list[float] = []
     t0 = time.perf_counter()
     steady = time.time() + warmup_s
-    counts = await asyncio.gather(*(one_stream(port, max_tokens, lat, steady) for _ in range(streams)))
-    return sum(counts), time.perf_counter() - t0, lat
+    sel, req, n = selectors.DefaultSelector(), _request(max_tokens), 0
+    for _ in range(streams):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(req)
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ, [b""])
+    try:
+        while sel.get_map():
+            ready = sel.select(timeout=60)
+            if not ready:
+                raise RuntimeError("no data from the router for 60 s")
+            for key, _ in ready:
+                data = key.fileobj.recv(1 << 16)
+                now = time.time()
+                if not data:
+                    sel.unregister(key.fileobj)
+                    key.fileobj.close()
+                    continue
+                key.data[0], k = _scan(key.data[0] + data, now, steady, lat)
+                n += k
+    finally:
+        for key in list(sel.get_map().values()):
+            key.fileobj.close()
+        sel.close()
+    return n, time.perf_counter() - t0, lat
 
 
 def direct_reference(streams: int, max_tokens: int, step_ms: float = 0.0, warmup_s: float = 0.0):
@@ -161,7 +219,10 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=25.0, help="fake rank step period for the latency runs")
     ap.add_argument("--latency-s", type=float, default=4.0, help="steady-state seconds per latency run "
                     "(after 1 s in which every stream starts)")
+    ap.add_argument("--client", choices=("epoll", "asyncio"), default="epoll",
+                    help="HTTP client: one epoll loop (default) or the first one, an asyncio task per stream")
     args = ap.parse_args()
+    streams_fn = run_streams if args.client == "epoll" else run_streams_asyncio
 
     def per_stream(streams: int) -> int:
         return max(1, min(8000, args.tokens // streams))  # within the fake rank's 8192 context
@@ -177,8 +238,8 @@ def main() -> None:
     proc = start_router(port, 0.0)
     try:
         for row in rows:
-            asyncio.run(run_streams(port, row["streams"], 10))  # warm the connection path
-            n, dt, _ = asyncio.run(run_streams(port, row["streams"], per_stream(row["streams"])))
+            streams_fn(port, row["streams"], 10)  # warm the connection path
+            n, dt, _ = streams_fn(port, row["streams"], per_stream(row["streams"]))
             row["tok_s"] = n / dt
     finally:
         stop(proc)
@@ -186,22 +247,29 @@ def main() -> None:
     proc = start_router(port, args.step_ms)
     try:
         for row in rows:
-            n, dt, lat = asyncio.run(run_streams(port, row["streams"], paced_tokens, warmup_s=1.0))
+            cpu = cpu_seconds(proc.pid)
+            n, dt, lat = streams_fn(port, row["streams"], paced_tokens, warmup_s=1.0)
+            row["cpu_us"] = (cpu_seconds(proc.pid) - cpu) / max(1, n) * 1e6
             row["paced_tok_s"] = n / dt
             row["p50_ms"], row["p99_ms"] = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
     finally:
         stop(proc)
 
-    print(f"\nrouter overhead (fake ranks; {os.cpu_count()} cores shared by router, fake rank and clients)")
-    print(f"{'':>8} {'max tok/s':^27} | {'paced: one token per stream every %g ms' % args.step_ms:^52}")
+    print(f"\nrouter overhead (fake ranks; {os.cpu_count()} cores shared by router, fake rank and clients; "
+          f"{args.client} client)")
+    print(f"{'':>8} {'max tok/s':^27} | {'paced: one token per stream every %g ms (latency in ms)' % args.step_ms:^79}")
     print(f"{'streams':>8} {'direct':>13} {'router':>13} | {'tok/s':>8} {'direct p50':>10} {'p99':>7} "
-          f"{'router p50':>11} {'p99':>7} {'(ms)':>5}")
+          f"{'router p50':>11} {'p99':>7} {'added p50':>10} {'p99':>7} {'cpu us/tok':>10}")
     for r in rows:
         print(f"{r['streams']:>8} {r['direct']:>13,.0f} {r['tok_s']:>13,.0f} | {r['paced_tok_s']:>8,.0f} "
-              f"{r['direct_p50']:>10.2f} {r['direct_p99']:>7.2f} {r['p50_ms']:>11.2f} {r['p99_ms']:>7.2f}")
+              f"{r['direct_p50']:>10.2f} {r['direct_p99']:>7.2f} {r['p50_ms']:>11.2f} {r['p99_ms']:>7.2f} "
+              f"{r['p50_ms'] - r['direct_p50']:>10.2f} {r['p99_ms'] - r['direct_p99']:>7.2f} {r['cpu_us']:>10.1f}")
     print("direct (same-run reference): the fake rank read over ZeroMQ by this script, no router, no HTTP.\n"
-          "router: through pd_server (rank socket -> SSE -> HTTP); its latency minus direct's is what the router "
-          "adds.\ngoal: >= 10,000 tok/s at 256 streams; < 2 ms p99 added per token")
+          "router: through pd_server (rank socket -> SSE -> HTTP -> client).\n"
+          "added: router minus direct at the same percentile (what the router and the HTTP client add).\n"
+          "cpu us/tok: the router process's CPU time per streamed token (load on other cores does not "
+          "change it;\n  x streams = the time one step's fan-out takes on an idle core).\n"
+          "goal: >= 10,000 tok/s at 256 streams; < 2 ms p99 added per token")
 
 
 if __name__ == "__main__":

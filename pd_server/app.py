@@ -9,7 +9,8 @@
 Every error is {"error": {"message", "type", "param", "code"}}: APIError as raised,
 validation failures as 400 (never FastAPI's 422), unknown routes 404, anything else 500.
 Middleware, outermost first: RequestCounter (metrics), RequestGuard (security.py: API key,
-body size and body deadline); the routes then check per-request limits (limits.py).
+body size and body deadline); the routes then check per-request limits (limits.py). Streams
+(sse_response.py) send their body past the middleware, straight to the server.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from pd_server.limits import check_chat, check_completion
 from pd_server.responses import ModelCard, ModelList, to_json
 from pd_server.security import RequestGuard, api_key
 from pd_server.serving import ServerContext
+from pd_server.sse_response import with_server_send
 
 log = logging.getLogger("pd_server.app")
 JSON = "application/json"
@@ -81,7 +83,9 @@ class RequestCounter:
             self.ctx.metrics.requests.labels(path, str(status[0])).inc()
 
 
-def build_app(ctx: ServerContext) -> FastAPI:
+def build_app(ctx: ServerContext):
+    """The ASGI app: the FastAPI app below, wrapped so that streams reach the server's send
+    directly (sse_response.with_server_send)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
 
@@ -134,4 +138,4 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     app.add_middleware(RequestGuard, cfg=ctx.cfg, key=api_key(ctx.cfg))
     app.add_middleware(RequestCounter, ctx=ctx)  # added last: outermost, so it counts the guard's refusals
-    return app
+    return with_server_send(app)

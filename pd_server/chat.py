@@ -20,12 +20,13 @@ from pd_server import sse
 from pd_server.api_models import ChatCompletionRequest
 from pd_server.errors import APIError, error_body
 from pd_server.prompts import RenderedChat
+from pd_server.protocol.rank_router import TokenEvent
 from pd_server.responses import (ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatMessageOut, Delta,
                                  FunctionDelta, FunctionOut, ToolCallDelta, ToolCallOut, to_json)
 from pd_server.routing import RouteRequest
 from pd_server.sampling import check_prompt, fit_max_tokens, make_sampling
-from pd_server.serving import (Choice, ServerContext, SSEResponse, chat_logprobs, collect, new_request_id,
-                               route_headers, usage)
+from pd_server.serving import Choice, ServerContext, chat_logprobs, collect, new_request_id, route_headers, usage
+from pd_server.sse_response import SSEStream
 from pd_server.tool_parser import ParsedToolCall, ToolCallParser, parse_tool_calls
 
 JSON = "application/json"
@@ -46,8 +47,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
     handle = ctx.dispatcher.submit(rid, work, RouteRequest(chat.prompt_ids, req.n, first_user), arrival)
     headers = route_headers(handle, rid)
     if req.stream:
-        return SSEResponse(_stream(ctx, req, chat, handle, rid), handle.close, headers)
-    choices = await collect(handle, request)
+        return SSEStream(handle, _ChatStream(ctx, req, chat, handle, rid), headers)
+    choices = await collect(handle, request.receive)
     body = ChatCompletion(rid, int(time.time()), ctx.model_name,
                           [_choice(ctx, req, chat, i, c) for i, c in enumerate(choices)], usage(choices))
     if req.return_token_ids:
@@ -76,48 +77,76 @@ def _call_deltas(calls: list[ParsedToolCall], first_index: int) -> list[ToolCall
             for j, k in enumerate(calls)]
 
 
-async def _stream(ctx: ServerContext, req: ChatCompletionRequest, chat: RenderedChat, handle, rid: str):
-    created, model = int(time.time()), ctx.model_name
-    n = len(handle.sub_ids)
-    started = [False] * n
-    parsers = ([ToolCallParser(chat.tool_names, chat.forced_prefix) for _ in range(n)]
-               if chat.tool_names is not None else None)
-    choices = [Choice() for _ in range(n)]
-    event = sse.event
-    try:
-        async for batch in handle.batches():
-            out = []
-            for idx, ev in batch:
-                c = choices[idx]
-                c.add(ev)
-                delta = Delta(content=ev.text)
-                if not started[idx]:
-                    started[idx] = True
-                    delta.role = "assistant"
-                if parsers is not None:
-                    p = parsers[idx]
-                    before = p.num_calls
-                    text, calls = p.feed(ev.text)
-                    if ev.finish_reason is not None:
-                        t2, c2 = p.finish()
-                        text, calls = text + t2, calls + c2
-                    delta.content = text
-                    if calls:
-                        delta.tool_calls = _call_deltas(calls, before)
-                lp = chat_logprobs(ctx, ev.logprobs) if req.logprobs and ev.logprobs else None
-                choice = ChatChunkChoice(idx, delta, None, lp)
-                if req.return_token_ids:
-                    choice.token_ids = ev.token_ids
-                out.append(event(ChatChunk(rid, created, model, [choice])))
-                if ev.finish_reason is not None:
-                    reason = ev.finish_reason
-                    if parsers is not None and parsers[idx].num_calls:
-                        reason = "tool_calls"
-                    out.append(event(ChatChunk(rid, created, model, [ChatChunkChoice(idx, Delta(), reason)])))
-            yield b"".join(out)
-        if req.include_usage:
-            yield event(ChatChunk(rid, created, model, [], usage=usage(choices)))
-    except APIError as e:
-        yield sse.event(error_body(e))
-    yield sse.DONE
+_MARK = "\x00pdserve-text\x00"  # stands in for a token's text in the event templates
 
+
+class _ChatStream:
+    """Renders one chat request's events as SSE chunks (sse_response.StreamRenderer)."""
+
+    def __init__(self, ctx: ServerContext, req: ChatCompletionRequest, chat: RenderedChat, handle, rid: str) -> None:
+        self.ctx, self.req, self.rid = ctx, req, rid
+        self.created, self.model = int(time.time()), ctx.model_name
+        n = len(handle.sub_ids)
+        self.started = [False] * n
+        self.parsers = ([ToolCallParser(chat.tool_names, chat.forced_prefix) for _ in range(n)]
+                        if chat.tool_names is not None else None)
+        self.choices = [Choice() for _ in range(n)]
+        # Fast path (content only: no tools, logprobs or token ids): a template per choice index.
+        self.plain = self.parsers is None and not req.logprobs and not req.return_token_ids
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
+
+    def head(self) -> bytes:
+        return b""
+
+    def _template(self, idx: int) -> tuple[bytes, bytes]:
+        t = self._templates.get(idx)
+        if t is None:
+            chunk = ChatChunk(self.rid, self.created, self.model, [ChatChunkChoice(idx, Delta(content=_MARK))])
+            t = self._templates[idx] = sse.event_template(chunk, _MARK)
+        return t
+
+    def render(self, batch) -> bytes:
+        out = []
+        for idx, ev in batch:
+            self.choices[idx].count(ev)
+            if self.plain and self.started[idx]:
+                prefix, suffix = self._template(idx)
+                out.append(prefix + sse.json_string(ev.text) + suffix)
+            else:
+                out.append(self._chunk(idx, ev))
+            if ev.finish_reason is not None:
+                reason = ev.finish_reason
+                if self.parsers is not None and self.parsers[idx].num_calls:
+                    reason = "tool_calls"
+                out.append(sse.event(ChatChunk(self.rid, self.created, self.model,
+                                               [ChatChunkChoice(idx, Delta(), reason)])))
+        return b"".join(out)
+
+    def _chunk(self, idx: int, ev: TokenEvent) -> bytes:
+        delta = Delta(content=ev.text)
+        if not self.started[idx]:
+            self.started[idx] = True
+            delta.role = "assistant"
+        if self.parsers is not None:
+            p = self.parsers[idx]
+            before = p.num_calls
+            text, calls = p.feed(ev.text)
+            if ev.finish_reason is not None:
+                t2, c2 = p.finish()
+                text, calls = text + t2, calls + c2
+            delta.content = text
+            if calls:
+                delta.tool_calls = _call_deltas(calls, before)
+        lp = chat_logprobs(self.ctx, ev.logprobs) if self.req.logprobs and ev.logprobs else None
+        choice = ChatChunkChoice(idx, delta, None, lp)
+        if self.req.return_token_ids:
+            choice.token_ids = ev.token_ids
+        return sse.event(ChatChunk(self.rid, self.created, self.model, [choice]))
+
+    def tail(self) -> bytes:
+        if not self.req.include_usage:
+            return b""
+        return sse.event(ChatChunk(self.rid, self.created, self.model, [], usage=usage(self.choices)))
+
+    def error(self, err: APIError) -> bytes:
+        return sse.event(error_body(err))

@@ -18,8 +18,9 @@ from pd_server.errors import APIError, bad_request, error_body
 from pd_server.responses import Completion, CompletionChoice, to_json
 from pd_server.routing import RouteRequest
 from pd_server.sampling import check_prompt, fit_max_tokens, make_sampling
-from pd_server.serving import (Choice, ServerContext, SSEResponse, collect, completion_logprobs, new_request_id,
-                               route_headers, usage)
+from pd_server.serving import (Choice, ServerContext, collect, completion_logprobs, new_request_id, route_headers,
+                               usage)
+from pd_server.sse_response import SSEStream
 
 
 async def create_completion(req: CompletionRequest, request: Request, ctx: ServerContext) -> Response:
@@ -43,8 +44,8 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
     headers = route_headers(handle, rid)
     echoes = [_echo(ctx, req, p) for p in req.prompts] if req.echo else None
     if req.stream:
-        return SSEResponse(_stream(ctx, req, handle, rid, echoes), handle.close, headers)
-    choices = await collect(handle, request)
+        return SSEStream(handle, _CompletionStream(ctx, req, handle, rid, echoes), headers)
+    choices = await collect(handle, request.receive)
     out = []
     for i, c in enumerate(choices):
         prefix = echoes[i // req.n] if echoes else ""
@@ -61,33 +62,61 @@ def _echo(ctx: ServerContext, req: CompletionRequest, prompt: str | list[int]) -
     return prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt, skip_special_tokens=False)
 
 
-async def _stream(ctx: ServerContext, req: CompletionRequest, handle, rid: str, echoes: list[str] | None):
-    created, model, event = int(time.time()), ctx.model_name, sse.event
-    n_choices = len(handle.sub_ids)
-    choices = [Choice() for _ in range(n_choices)]
-    offsets = [len(echoes[i // req.n]) if echoes else 0 for i in range(n_choices)]
-    try:
-        if echoes:
-            yield b"".join(event(Completion(rid, created, model, [CompletionChoice(i, echoes[i // req.n], None)]))
-                           for i in range(n_choices))
-        async for batch in handle.batches():
-            out = []
-            for idx, ev in batch:
-                choices[idx].add(ev)
+_MARK = "\x00pdserve-text\x00"  # stands in for a token's text in the event templates
+
+
+class _CompletionStream:
+    """Renders one completions request's events as SSE chunks (sse_response.StreamRenderer)."""
+
+    def __init__(self, ctx: ServerContext, req: CompletionRequest, handle, rid: str, echoes: list[str] | None) -> None:
+        self.ctx, self.req, self.rid, self.echoes = ctx, req, rid, echoes
+        self.created, self.model = int(time.time()), ctx.model_name
+        n = len(handle.sub_ids)
+        self.choices = [Choice() for _ in range(n)]
+        self.offsets = [len(echoes[i // req.n]) if echoes else 0 for i in range(n)]
+        self.plain = req.logprobs is None and not req.return_token_ids  # the template fast path
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
+
+    def _event(self, choices: list[CompletionChoice], **kw) -> bytes:
+        return sse.event(Completion(self.rid, self.created, self.model, choices, **kw))
+
+    def head(self) -> bytes:
+        if not self.echoes:
+            return b""
+        return b"".join(self._event([CompletionChoice(i, self.echoes[i // self.req.n], None)])
+                        for i in range(len(self.choices)))
+
+    def _template(self, idx: int) -> tuple[bytes, bytes]:
+        t = self._templates.get(idx)
+        if t is None:
+            t = self._templates[idx] = sse.event_template(
+                Completion(self.rid, self.created, self.model, [CompletionChoice(idx, _MARK, None)]), _MARK)
+        return t
+
+    def render(self, batch) -> bytes:
+        out = []
+        for idx, ev in batch:
+            self.choices[idx].count(ev)
+            if self.plain:
+                prefix, suffix = self._template(idx)
+                out.append(prefix + sse.json_string(ev.text) + suffix)
+            else:
                 lp = None
-                if req.logprobs is not None and ev.logprobs:
-                    lp = completion_logprobs(ctx, ev.logprobs, offsets[idx])
-                offsets[idx] += len(ev.text)
+                if self.req.logprobs is not None and ev.logprobs:
+                    lp = completion_logprobs(self.ctx, ev.logprobs, self.offsets[idx])
+                self.offsets[idx] += len(ev.text)
                 choice = CompletionChoice(idx, ev.text, None, lp)
-                if req.return_token_ids:
+                if self.req.return_token_ids:
                     choice.token_ids = ev.token_ids
-                out.append(event(Completion(rid, created, model, [choice])))
-                if ev.finish_reason is not None:
-                    out.append(event(Completion(rid, created, model,
-                                                [CompletionChoice(idx, "", ev.finish_reason)])))
-            yield b"".join(out)
-        if req.include_usage:
-            yield event(Completion(rid, created, model, [], usage=usage(choices, n_choices // req.n)))
-    except APIError as e:
-        yield event(error_body(e))
-    yield sse.DONE
+                out.append(self._event([choice]))
+            if ev.finish_reason is not None:
+                out.append(self._event([CompletionChoice(idx, "", ev.finish_reason)]))
+        return b"".join(out)
+
+    def tail(self) -> bytes:
+        if not self.req.include_usage:
+            return b""
+        return self._event([], usage=usage(self.choices, len(self.choices) // self.req.n))
+
+    def error(self, err: APIError) -> bytes:
+        return sse.event(error_body(err))

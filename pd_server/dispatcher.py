@@ -6,7 +6,8 @@ Life of a request here:
      ranks exist) it picks a prefill rank by the policy and a decode rank by load
      (routing.pick_decode_rank); the Generate to the prefill rank names the decode rank.
   2. The receive loop decodes each TokenBatch and puts (choice index, TokenEvent) on the
-     request's asyncio queue; the last event of a sub-request (finish_reason set) retires it.
+     request's inbox (request_state.Inbox); the last event of a sub-request (finish_reason
+     set) retires it. Inter-token gaps reach the histogram after the woken streams ran.
      PD: the first token comes from the prefill rank, the rest from the decode rank, over two
      paths: events are put in order by their token offset (a decode event that overtakes the
      first token waits for it). Once the first token is in, the prefill rank is done with the
@@ -66,6 +67,7 @@ class Dispatcher:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._auth = None  # ZAP handler thread, with a secret
 
     def bind(self) -> str:
@@ -84,6 +86,7 @@ class Dispatcher:
 
     def start(self) -> None:
         """Start the receive and heartbeat loops on the running event loop."""
+        self._loop = asyncio.get_running_loop()
         self._tasks = [asyncio.create_task(self._recv_loop(), name="rank-recv"),
                        asyncio.create_task(self._heartbeat_loop(), name="rank-heartbeat"),
                        asyncio.create_task(self._handshake_log(), name="rank-handshakes")]
@@ -241,6 +244,7 @@ class Dispatcher:
 
     def _on_tokens(self, events: list[TokenEvent]) -> None:
         now = time.perf_counter()
+        itl: list[float] = []
         for ev in events:
             p = self.pending.get(ev.request_id)
             if p is None:
@@ -249,16 +253,27 @@ class Dispatcher:
             if offset > p.received and p.decode is not None:
                 p.early[offset] = ev  # overtook the prefill rank's first token
                 continue
-            self._deliver(p, ev, now)
+            self._deliver(p, ev, now, itl)
             while p.received in p.early and ev.request_id in self.pending:
-                self._deliver(p, p.early.pop(p.received), now)
+                self._deliver(p, p.early.pop(p.received), now, itl)
+        if itl and self._loop is not None:
+            # NOTE: after the streams this batch woke (call_soon is FIFO), so no token waits on
+            # the histogram's per-sample locks.
+            self._loop.call_soon(self._observe_itl, itl)
+        elif itl:  # not started (tests drive frames by hand)
+            self._observe_itl(itl)
 
-    def _deliver(self, p: Pending, ev: TokenEvent, now: float) -> None:
-        m = self.metrics
+    def _observe_itl(self, samples: list[float]) -> None:
+        observe = self.metrics.itl.observe
+        for s in samples:
+            observe(s)
+
+    def _deliver(self, p: Pending, ev: TokenEvent, now: float, itl: list[float]) -> None:
+        """Put one event on its request's inbox; inter-token gaps go to `itl` (observed later)."""
         if p.last:
-            m.itl.observe(now - p.last)
+            itl.append(now - p.last)
         else:
-            m.ttft.observe(now - p.arrival)
+            self.metrics.ttft.observe(now - p.arrival)
             if p.decode is not None:  # the prefill rank is done with it (the Handoff is out)
                 p.rank.inflight.discard(ev.request_id)
         p.last = now

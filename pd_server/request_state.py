@@ -1,5 +1,5 @@
 """What the dispatcher keeps per request: a Pending per sub-request it has sent, the Handle an
-HTTP handler iterates, and the Failure that ends a sub-request early (dispatcher.py)."""
+HTTP handler reads, its Inbox, and the Failure that ends a sub-request early (dispatcher.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,12 +21,58 @@ class Failure:
     message: str
 
 
+class ClientGone(Exception):
+    """The HTTP client went away (Handle.client_gone); nothing more can reach it."""
+
+
+_GONE = object()  # the item client_gone() puts
+
+
+class Inbox:
+    """What the dispatcher puts for one HTTP request: (choice index, TokenEvent | Failure).
+
+    An asyncio.Queue cut down to one reader that takes everything pending at once: a put only
+    appends and, if the reader waits, completes its one future (no per-item futures or loop
+    look-ups: this runs once per token per stream on the router's hot path)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():  # a cancelled reader leaves a cancelled future
+                w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self):
+        """The oldest item; raises asyncio.QueueEmpty when none (as asyncio.Queue)."""
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.pop(0)
+
+    async def take_all(self) -> list:
+        """Every pending item, oldest first; waits while there is none."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return items
+
+
 @dataclass
 class Pending:
     """One sub-request the router has sent and not yet seen finish."""
 
     msg: Generate
-    queue: asyncio.Queue
+    queue: Inbox  # its Handle's
     index: int  # choice index in the HTTP response
     rank: Rank  # the colocated or prefill rank
     arrival: float  # perf_counter at HTTP arrival
@@ -42,30 +88,49 @@ class Pending:
 
 @dataclass
 class Handle:
-    """One HTTP request's sub-requests. Iterate `batches()`; always `close()` (idempotent)."""
+    """One HTTP request's sub-requests. Read `next_batch()` (or iterate `batches()`); always
+    `close()` (idempotent)."""
 
     dispatcher: "Dispatcher"
     sub_ids: list[str]
     rank: Rank  # the colocated or prefill rank
     decode: Rank | None = None  # PD mode
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    _open: int = 0
+    queue: Inbox = field(default_factory=Inbox)
+    _open: int = -1  # sub-requests not finished yet
 
-    async def batches(self):
-        """Yields lists of (choice index, TokenEvent) as they arrive, until every sub-request
-        finished. Raises APIError on a Failure (the caller then closes the handle)."""
+    def __post_init__(self) -> None:
         self._open = len(self.sub_ids)
-        q = self.queue
-        while self._open:
-            items = [await q.get()]
-            while not q.empty():
-                items.append(q.get_nowait())
-            for _, item in items:
-                if isinstance(item, Failure):
-                    raise APIError(item.status, item.message)
+
+    async def next_batch(self) -> list[tuple[int, TokenEvent]] | None:
+        """Every (choice index, TokenEvent) that arrived since the last call, oldest first
+        (waits for one); None once every sub-request finished. Raises APIError on a Failure and
+        ClientGone after client_gone() (the caller then closes the handle)."""
+        if not self._open:
+            return None
+        items = await self.queue.take_all()
+        for _, item in items:
+            if item.__class__ is TokenEvent:
                 if item.finish_reason is not None:
                     self._open -= 1
+            elif item is _GONE:
+                raise ClientGone
+            else:
+                raise APIError(item.status, item.message)
+        return items
+
+    @property
+    def finished(self) -> bool:
+        """Every sub-request delivered its last event."""
+        return not self._open
+
+    async def batches(self):
+        """next_batch() as an async iterator."""
+        while (items := await self.next_batch()) is not None:
             yield items
+
+    def client_gone(self) -> None:
+        """Wake the reader with ClientGone (the HTTP client disconnected)."""
+        self.queue.put_nowait((-1, _GONE))
 
     def close(self) -> None:
         for sid in self.sub_ids:

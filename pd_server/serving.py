@@ -1,21 +1,15 @@
 """What the chat and completions handlers share: the server context, result collection with
-client-disconnect aborts, the streaming response, logprobs and usage.
+client-disconnect aborts, logprobs and usage (the streaming response: sse_response.py).
 
 ServerContext is the one object handlers reach everything through (app.state.ctx); there
 are no module-level globals.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
-
-from pd_server import sse
 from pd_server.config import RouterConfig
 from pd_server.dispatcher import Dispatcher
 from pd_server.errors import APIError
@@ -23,9 +17,10 @@ from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
 from pd_server.protocol.rank_router import TokenEvent, TokenLogprob
 from pd_server.ranks import RankRegistry
-from pd_server.request_state import Handle
+from pd_server.request_state import ClientGone, Handle
 from pd_server.responses import (ChatLogprobs, CompletionLogprobs, LogprobEntry, TopLogprob, Usage,
                                  make_usage)
+from pd_server.sse_response import watch_disconnect
 
 
 @dataclass
@@ -89,32 +84,26 @@ class Choice:
         if ev.finish_reason is not None:
             self.finish_reason = ev.finish_reason
 
+    def count(self, ev: TokenEvent) -> None:
+        """Only what usage() reads (a stream renders the rest as it goes)."""
+        self.completion_tokens = ev.completion_tokens
+        self.prompt_tokens, self.cached_tokens = ev.prompt_tokens, ev.cached_tokens
 
-async def collect(handle: Handle, request: Request) -> list[Choice]:
-    """Run a non-streaming request to the end. The client going away aborts it on the rank."""
+
+async def collect(handle: Handle, receive) -> list[Choice]:
+    """Run a non-streaming request to the end. The client going away aborts it on the rank
+    (APIError 499); `receive`: the request's ASGI receive."""
     choices = [Choice() for _ in handle.sub_ids]
-
-    async def run() -> None:
+    watch = watch_disconnect(receive, handle)
+    try:
         async for batch in handle.batches():
             for idx, ev in batch:
                 choices[idx].add(ev)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(run())
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except ClientGone:
+        raise APIError(499, "client disconnected") from None
     finally:
         watch.cancel()
-        if not work.done():
-            work.cancel()
         handle.close()
-    if not work.done() or work.cancelled():
-        raise APIError(499, "client disconnected")
-    work.result()  # raises the APIError of a failed request
     return choices
 
 
@@ -144,22 +133,6 @@ def completion_logprobs(ctx: ServerContext, lps: list[TokenLogprob], offset: int
         offset += len(t)
     tops = [{ctx.token_text(i): v for i, v in lp.top} for lp in lps]
     return CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, offsets)
-
-
-class SSEResponse(StreamingResponse):
-    """A StreamingResponse that always runs `on_close` (abort whatever did not finish) and
-    closes its body, whether the stream ended, failed or the client went away."""
-
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict) -> None:
-        super().__init__(body, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-            await self.body_iterator.aclose()
 
 
 def route_headers(handle: Handle, request_id: str) -> dict[str, str]:

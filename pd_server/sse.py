@@ -1,6 +1,7 @@
 """Server-sent events framing for streamed completions, and the matching reader.
 
-Each chunk is one event: `data: <json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`. JSON
+Each chunk is one event: `data: <json>\\n\\n` (event(), or event_template() on the per-token
+fast path: the same bytes); the stream ends with `data: [DONE]\\n\\n`. JSON
 from msgspec never holds a raw newline (strings escape it), so one line is one event. An
 error after the stream started is an event whose JSON is {"error": {...}} (the OpenAI
 client raises on it), followed by [DONE].
@@ -21,6 +22,20 @@ _encode = msgspec.json.Encoder().encode
 def event(payload: msgspec.Struct) -> bytes:
     """One SSE event holding payload as JSON."""
     return b"data: " + _encode(payload) + b"\n\n"
+
+
+def event_template(payload: msgspec.Struct, marker: str) -> tuple[bytes, bytes]:
+    """(prefix, suffix) around one string field: `payload` holds `marker` in that field, and
+    prefix + json_string(s) + suffix == event(payload with s in place of marker) for any s.
+    The per-token fast path: two concatenations instead of building and encoding structs.
+    Raises ValueError unless the marker occurs exactly once in the encoded event."""
+    prefix, sep, suffix = event(payload).partition(_encode(marker))
+    if not sep or _encode(marker) in suffix:
+        raise ValueError(f"marker {marker!r} must occur exactly once in the event")
+    return prefix, suffix
+
+
+json_string = _encode  # str -> its JSON string literal (bytes), as inside event()
 
 
 class SSEReader:

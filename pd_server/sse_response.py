@@ -1,0 +1,119 @@
+"""The streaming response of both streaming routes: a pure ASGI app writing SSE from a Handle.
+
+Per stream, in order:
+  1. http.response.start (status 200, SSE headers, the route headers) through the normal
+     send chain, so the middleware sees the status;
+  2. the renderer's head (completions' echo chunks), if any, at once;
+  3. each wake-up takes every event the dispatcher put since the last (Handle.next_batch),
+     renders them (one SSE event per token event, never merged) and writes them with ONE
+     send, straight to the server's send (`SERVER_SEND` below);
+  4. at the end, the tail (usage chunk) or an error event, then [DONE], in the last send
+     (with the batch that finished the last choice);
+  5. finally, always: the handle is closed (Abort for whatever did not finish).
+A client that disconnects is seen in one place: a watcher awaiting receive() turns
+http.disconnect into Handle.client_gone(), which ends step 3 at once (uvicorn's send returns
+silently on a closed connection, so a failing send cannot be relied on).
+
+Unlike Starlette's StreamingResponse there is no task group, no second task per stream and no
+async generator between the dispatcher and the socket: a token costs one wake-up of the
+stream's task and one send.
+
+SERVER_SEND: `with_server_send()` wraps the whole app (outermost) and puts the server's own
+send callable in the scope; the body goes straight to it. Every layer it skips (Starlette's
+error and exception middleware, FastAPI's body limit, RequestCounter) only looks at
+http.response.start, which still passes through them.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from starlette.responses import Response
+
+from pd_server import sse
+from pd_server.errors import APIError
+from pd_server.protocol.rank_router import TokenEvent
+from pd_server.request_state import ClientGone, Handle
+
+SERVER_SEND = "pdserve.server_send"  # scope key (an ASGI scope may carry server-specific keys)
+_CONTENT_TYPE = (b"content-type", f"{sse.MEDIA_TYPE}; charset=utf-8".encode())
+
+
+class StreamRenderer(Protocol):
+    """Turns one request's events into SSE bytes (sse.event framing, one event per chunk)."""
+
+    def head(self) -> bytes:
+        """Events to send before the first token (b"": none)."""
+
+    def render(self, batch: list[tuple[int, TokenEvent]]) -> bytes:
+        """The events of one batch (choice index, event), in order."""
+
+    def tail(self) -> bytes:
+        """Events after every choice finished (the usage chunk), without [DONE]."""
+
+    def error(self, err: APIError) -> bytes:
+        """The error event for a failure after the stream started, without [DONE]."""
+
+
+def with_server_send(app):
+    """Wrap an ASGI app so that SSEStream can send its body straight to the server."""
+
+    async def outer(scope, receive, send):
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await app(scope, receive, send)
+
+    return outer
+
+
+async def _watch_disconnect(receive, handle: Handle) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    handle.client_gone()
+
+
+def watch_disconnect(receive, handle: Handle) -> asyncio.Task:
+    """A task that wakes `handle` with ClientGone once the client disconnects; cancel it when done."""
+    return asyncio.ensure_future(_watch_disconnect(receive, handle))
+
+
+class SSEStream(Response):
+    """The ASGI response for one streamed request (steps above). `headers`: route headers.
+    A Starlette Response only so that FastAPI passes it through; none of its machinery runs
+    (no background tasks: the streaming routes declare none)."""
+
+    background = None
+    status_code = 200
+    media_type = sse.MEDIA_TYPE
+
+    def __init__(self, handle: Handle, renderer: StreamRenderer, headers: dict[str, str]) -> None:
+        self.handle, self.renderer = handle, renderer
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in {**sse.HEADERS, **headers}.items()] + [_CONTENT_TYPE]
+
+    async def __call__(self, scope, receive, send) -> None:
+        handle, renderer = self.handle, self.renderer
+        out = scope.get(SERVER_SEND, send)
+        watch = watch_disconnect(receive, handle)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            head = renderer.head()
+            if head:
+                await out({"type": "http.response.body", "body": head, "more_body": True})
+            body = b""
+            try:
+                while (batch := await handle.next_batch()) is not None:
+                    body = renderer.render(batch)
+                    if handle.finished:  # the last events go out with the tail
+                        break
+                    await out({"type": "http.response.body", "body": body, "more_body": True})
+                    body = b""
+                body += renderer.tail()
+            except APIError as e:
+                body = renderer.error(e)
+            except ClientGone:
+                return
+            await out({"type": "http.response.body", "body": body + sse.DONE, "more_body": False})
+        finally:
+            watch.cancel()
+            handle.close()
