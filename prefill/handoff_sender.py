@@ -8,13 +8,23 @@ included, and the SWA rings as of the prompt's end, not of a page boundary.
 A request's pages here go through, exactly once each:
   1. reserve()     at admission, before the engine prefills (so staging never runs out;
                    a full pool holds the prompt back in the rank's queue);
-  2. stage()       the engine's export_kv hook once the first token is sampled: device pages
-                   (all of them) and the SWA slot are copied into the reserved ones;
+  2. take()        the engine's export_kv hook, once the first token is sampled: the
+                   sequence's device pages and SWA slot move into the request's entry (the
+                   engine then frees none of them), so the step copies nothing and the first
+                   token leaves the rank without waiting for the staging copy;
+     stage()       right after the first token is sent: the device pages (the partial last
+                   one too) and the SWA slot are copied into the reserved ones, then go back
+                   to the device pool;
   3. hand_off()    the Handoff is sent: the lease starts;
   4. release()     on Pulled or PullFailed, on lease expiry (`expired`), when the decode peer
                    goes away (`handed_to`), or when the request ends before a handoff (abort,
                    finished at its first token). A second release of the same request is a
                    no-op that returns False: Pulled can race the lease, abort can race Pulled.
+
+NOTE: between take() and stage() a request's device pages belong to no sequence: this sender
+alone frees them (stage(), or release() of a taken request, which skips the copy). The rank
+loop stages or releases every taken request before the engine's next step, also after a step
+that failed halfway (`taken()`), so the device pool never runs short because of them.
 """
 from __future__ import annotations
 
@@ -48,12 +58,22 @@ class Staged:
 
 
 @dataclass
+class _Taken:
+    """Device KV that take() moved out of a sequence, waiting for stage()."""
+
+    kv: KVPool
+    pages: list[int]  # every device page the sequence held, in prompt order
+    slot: int | None  # its SWA slot
+
+
+@dataclass
 class _Entry:
     pages: list[int]
     state: int
     status: str = RESERVED
     peer: bytes = b""  # the decode rank it was handed to
     deadline: float = 0.0  # monotonic; lease end once handed off
+    taken: _Taken | None = None  # between take() and stage()
 
 
 class HandoffSender:
@@ -70,7 +90,7 @@ class HandoffSender:
         self.released = 0  # releases ever (tests, stats)
 
     @classmethod
-    def for_engine(cls, engine, pool_gb: float, lease_s: float, name: str) -> "HandoffSender":
+    def for_engine(cls, engine, pool_gb: float, lease_s: float, name: str) -> HandoffSender:
         """A pool of `pool_gb` GiB shaped like `engine`'s KV pool. Raises ValueError when it
         cannot hold one SWA state plus one page."""
         mc, ecfg, kv = engine.model_cfg, engine.cfg, engine.pool
@@ -121,17 +141,38 @@ class HandoffSender:
         self.entries[rid] = _Entry(pages, -1 if state is None else state)
         return True
 
-    def stage(self, seq: Sequence, kv: KVPool) -> Staged:
-        """engine.export_kv: copy the sequence's prompt KV (device pages + SWA slot) into its
-        reserved pages. Precondition: reserve() for this request id succeeded."""
+    def take(self, seq: Sequence, kv: KVPool) -> Staged:
+        """engine.export_kv: move the sequence's device pages and SWA slot into the request's
+        entry, copying nothing (stage() copies them after the first token is sent). Mutates
+        `seq` (pages [], swa_slot None): the engine frees neither when it finishes it.
+        Precondition: reserve() for this request id succeeded, and its KV is not taken yet."""
         e = self.entries[seq.request_id]
-        n = len(seq.prompt_ids)
-        copy_pages(kv.full, self.pool.pages, seq.pages[:len(e.pages)], e.pages)
-        if e.state >= 0:
-            copy_pages(kv.swa, self.pool.states, [seq.swa_slot], [e.state])
-        if kv.full.is_cuda:
-            torch.cuda.synchronize(kv.full.device)
-        return Staged(n, e.pages, e.state)
+        assert e.taken is None, f"{seq.request_id}: device KV already taken"
+        e.taken = _Taken(kv, seq.pages, seq.swa_slot)
+        seq.pages, seq.swa_slot = [], None
+        return Staged(len(seq.prompt_ids), e.pages, e.state)
+
+    def stage(self, rid: str) -> None:
+        """Copy the request's taken device pages (all of the prompt's, the partial last one
+        too) and SWA slot into its reserved pages, then free them in the device pool. No-op
+        when nothing is taken (staged already, or released)."""
+        e = self.entries.get(rid)
+        if e is None or e.taken is None:
+            return
+        t, e.taken = e.taken, None
+        try:
+            copy_pages(t.kv.full, self.pool.pages, t.pages[:len(e.pages)], e.pages)
+            if e.state >= 0:
+                copy_pages(t.kv.swa, self.pool.states, [t.slot], [e.state])
+            if t.kv.full.is_cuda:
+                torch.cuda.synchronize(t.kv.full.device)
+        finally:
+            _give_back(t)
+
+    def taken(self) -> list[str]:
+        """Requests whose device KV is taken and not staged yet (the rank stages or releases
+        each before the engine's next step)."""
+        return [rid for rid, e in self.entries.items() if e.taken is not None]
 
     def hand_off(self, rid: str, peer: bytes) -> None:
         """The Handoff went to `peer`: the lease starts now."""
@@ -144,8 +185,10 @@ class HandoffSender:
         if e is None:
             log.debug("release of %s (%s): already released", rid, why)
             return False
-        for p in e.pages:
-            self.pool.free_page(p)
+        if e.taken is not None:  # never staged: its device pages go back uncopied
+            _give_back(e.taken)
+        for p in reversed(e.pages):  # the next reserve() pops them in ascending runs again:
+            self.pool.free_page(p)  # a decode rank's pages also come in runs, one NIXL descriptor a run
         if e.state >= 0:
             self.pool.free_state(e.state)
         self.released += 1
@@ -171,3 +214,8 @@ class HandoffSender:
     @property
     def num_handed_off(self) -> int:
         return sum(e.status == HANDED_OFF for e in self.entries.values())
+
+
+def _give_back(t: _Taken) -> None:
+    t.kv.free(t.pages)
+    t.kv.free_slot(t.slot)

@@ -9,13 +9,16 @@ Request life cycle on a prefill rank:
      ranks have not pulled yet holds new prompts back), then HandoffSender.reserve() takes them.
   2. engine.add_request(prefill_only=True): chunked, batched prefill with the other prompts,
      prefix hits from the host cache when it is on.
-  3. The step that samples the first token runs the engine's export_kv hook: the prompt's
-     device pages (the partial last one too) and its SWA rings go into the reserved pages
-     (HandoffSender.stage); the device pages are freed right after.
+  3. The step that samples the first token runs the engine's export_kv hook, which only takes
+     the prompt's device pages and SWA slot out of the sequence (HandoffSender.take): that
+     step does no more work than a colocated rank's.
   4. The first token goes to the router at once (TokenEvent without finish_reason: the
-     client's first token does not wait for the transfer), then the Handoff to the decode
-     rank; the lease starts. A request that ends at its first token (eos, max_tokens=1, a
-     stop string) finishes here instead and never reaches a decode rank.
+     client's first token waits for neither the staging copy nor the transfer). Then the
+     taken device pages (the partial last one too) and SWA rings are copied into the
+     reserved pages and freed (HandoffSender.stage), and the Handoff goes to the decode
+     rank; the lease starts. Both happen before the engine's next step. A request that ends
+     at its first token (eos, max_tokens=1, a stop string) finishes here instead and never
+     reaches a decode rank.
   5. Pulled / PullFailed from the decode rank releases the pins. Without either within the
      lease, the pins are released anyway and the request fails at the router (RequestError
      504). A decode rank leaving the router's Peers, or refusing our PeerHello, fails and
@@ -36,11 +39,25 @@ from collections import deque
 import msgspec
 
 from decode.peer_link import PeerMessage, PeerSockets
-from decode.rank import (RankLoop, hello_for, load_engine, make_transfer, parse_rank_args, serve)
+from decode.rank import (
+    RankLoop,
+    hello_for,
+    load_engine,
+    make_transfer,
+    parse_rank_args,
+    serve,
+)
 from decode.rank_link import RankLink
 from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes,
-                                               Pulled, PullFailed)
+from pd_server.protocol.prefill_decode import (
+    Handoff,
+    PeerHello,
+    PeerReject,
+    PeerWelcome,
+    PrefillTimes,
+    Pulled,
+    PullFailed,
+)
 from pd_server.protocol.rank_router import RequestError, TokenBatch
 from pd_server.protocol.router_rank import Abort, Generate, Peers
 from prefill.handoff_sender import HandoffSender
@@ -51,7 +68,7 @@ log = logging.getLogger("prefill.rank")
 class PrefillLoop(RankLoop):
     def __init__(self, engine, sender: HandoffSender) -> None:
         self.sender = sender
-        engine.export_kv = sender.stage
+        engine.export_kv = sender.take
         self._held: deque[Generate] = deque()  # waiting for handoff-pool room
         self._gen: dict[str, Generate] = {}  # in the engine: what the Handoff needs
         self._started: dict[str, float] = {}  # request id -> prefill start (wall clock)
@@ -198,6 +215,7 @@ class PrefillLoop(RankLoop):
             self.link.send(RequestError(rid, 500, f"cannot hand off to {peer}: {why}"))
             return
         staged = o.kv_export
+        self.sender.stage(rid)  # the first token is out: now copy the KV into the handoff pool
         times = PrefillTimes(t.arrived, t.prefill_start, t.first_token, time.time())
         self.link.send_peer(peer.encode(), Handoff(rid, g.prompt_ids, o.new_token_ids[0], g.sampling,
                                                    o.cached_tokens, staged.pages, staged.state,
@@ -216,6 +234,10 @@ class PrefillLoop(RankLoop):
     def _fail_all(self, message: str) -> None:
         for rid in list(self.engine.seqs):
             self.sender.release(rid, "engine failure")
+        for rid in self.sender.taken():  # the failed step took its KV, then lost its output
+            self.sender.release(rid, "engine failure")
+            self._forget(rid)
+            self.link.send(RequestError(rid, 500, message))
         super()._fail_all(message)
 
 

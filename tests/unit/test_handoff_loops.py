@@ -12,7 +12,14 @@ import pytest
 from decode.peer_link import PeerMessage
 from decode.rank import DecodeLoop
 from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.prefill_decode import PAGES_REGION, STATES_REGION, Handoff, PeerHello, Pulled, PullFailed
+from pd_server.protocol.prefill_decode import (
+    PAGES_REGION,
+    STATES_REGION,
+    Handoff,
+    PeerHello,
+    Pulled,
+    PullFailed,
+)
 from pd_server.protocol.rank_router import RequestError, TokenBatch
 from pd_server.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Sampling
 from prefill.handoff_sender import HandoffSender
@@ -100,6 +107,7 @@ class Pair:
 
     def idle(self) -> bool:
         return (self.sender.pages_used == 0 and not self.prefill.engine.has_unfinished()
+                and self.prefill.engine.pool.used_pages == 0 and not self.sender.taken()
                 and self.decode.engine.pool.used_pages == 0 and not self.decode.engine.has_unfinished()
                 and self.decode.receiver.num_handoffs == 0)
 
@@ -216,5 +224,58 @@ def test_full_handoff_pool_holds_prompts_back(tiny_model_dir):
                 break
         assert pair.tokens()["a"] == pair.tokens()["b"] and len(pair.tokens()["b"]) == 3
         assert pair.idle() and not pair.errors()
+    finally:
+        pair.close()
+
+
+def test_first_token_leaves_before_the_staging_copy(tiny_model_dir):
+    """The step that samples the first token copies nothing into the handoff pool: the token
+    is sent first, then the KV is staged, then the Handoff goes out."""
+    pair = Pair(tiny_model_dir("llama"))
+    order: list[str] = []
+    stage, send = pair.sender.stage, pair.prefill.link.send
+
+    def staging(rid: str) -> None:
+        order.append("stage")
+        stage(rid)
+
+    def sending(msg) -> None:
+        if isinstance(msg, TokenBatch):
+            order.append("token")
+        send(msg)
+
+    pair.sender.stage, pair.prefill.link.send = staging, sending
+    try:
+        pair.generate("a", _prompts((37,))[0])
+        for _ in range(10):
+            pair.turn(deliver=False)
+            if pair.handoffs:
+                break
+        assert order == ["token", "stage"] and len(pair.handoffs) == 1
+        assert pair.prefill.engine.pool.used_pages == 0 and not pair.sender.taken()
+    finally:
+        pair.close()
+
+
+def test_a_step_failing_after_the_kv_was_taken_frees_it_and_fails_the_requests(tiny_model_dir):
+    """Two prompts finish prefill in one step; the export of the second raises after the first
+    one's device pages were taken: both fail with 500 and every page comes back once."""
+    pair = Pair(tiny_model_dir("llama"))
+    take = pair.sender.take
+
+    def failing(seq, kv):
+        if seq.request_id == "b":
+            raise RuntimeError("export failed")
+        return take(seq, kv)
+
+    pair.prefill.engine.export_kv = failing
+    try:
+        a, b = _prompts((6, 6))
+        pair.generate("a", a)
+        pair.generate("b", b)
+        pair.turn(deliver=False)
+        assert sorted((e.request_id, e.status) for e in pair.errors()) == [("a", 500), ("b", 500)]
+        assert not pair.handoffs and pair.idle() and pair.sender.released == 2
+        assert pair.prefill.engine.pool.free_pages == pair.prefill.engine.pool.num_pages
     finally:
         pair.close()

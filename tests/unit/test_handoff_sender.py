@@ -25,19 +25,48 @@ def sender():
     s.close()
 
 
-def device_pool():
-    g = torch.Generator().manual_seed(0)
-    return SimpleNamespace(full=torch.randn(16, *PAGE_SHAPE, generator=g), swa=torch.randn(3, *STATE_SHAPE, generator=g))
+class DevicePool:
+    """The two KV tensors of a device pool and what was freed into it."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.full, self.swa = torch.randn(16, *PAGE_SHAPE, generator=g), torch.randn(3, *STATE_SHAPE, generator=g)
+        self.freed_pages: list[int] = []
+        self.freed_slots: list[int] = []
+
+    def free(self, pages: list[int]) -> None:
+        self.freed_pages += pages
+
+    def free_slot(self, slot: int | None) -> None:
+        if slot is not None:
+            self.freed_slots.append(slot)
 
 
-def test_stage_copies_every_page_including_the_partial_last_and_the_swa_state(sender):
-    kv = device_pool()
+def test_take_copies_nothing_then_stage_copies_every_page_and_the_swa_state(sender):
+    kv = DevicePool()
     assert sender.reserve("r", 10, needs_state=True)  # 3 pages of 4, the last holding 2 tokens
     seq = SimpleNamespace(request_id="r", prompt_ids=list(range(10)), pages=[7, 3, 12, 5], swa_slot=2)
-    staged = sender.stage(seq, kv)
+    before = sender.pool.pages.clone()
+    staged = sender.take(seq, kv)
     assert staged.num_tokens == 10 and len(staged.pages) == 3 and staged.state >= 0
+    assert seq.pages == [] and seq.swa_slot is None  # the engine frees nothing when it finishes seq
+    assert sender.pool.pages.equal(before) and sender.taken() == ["r"] and not kv.freed_pages
+    sender.stage("r")
     assert sender.pool.pages[staged.pages].equal(kv.full[[7, 3, 12]])
     assert sender.pool.states[staged.state].equal(kv.swa[2])
+    assert kv.freed_pages == [7, 3, 12, 5] and kv.freed_slots == [2] and not sender.taken()
+    sender.stage("r")  # staged already: nothing copied or freed again
+    assert sender.release("r", "pulled") and kv.freed_pages == [7, 3, 12, 5] and kv.freed_slots == [2]
+
+
+def test_release_before_stage_gives_the_device_pages_back_once(sender):
+    kv = DevicePool()
+    assert sender.reserve("r", 5, needs_state=True)
+    sender.take(SimpleNamespace(request_id="r", prompt_ids=[1] * 5, pages=[4, 9], swa_slot=1), kv)
+    assert sender.release("r", "no decode peer") and not sender.release("r", "again")
+    sender.stage("r")  # released: a no-op
+    assert kv.freed_pages == [4, 9] and kv.freed_slots == [1] and not sender.taken()
+    assert sender.pool.free_pages == 8 and sender.pool.free_states == 2
 
 
 def test_reserve_takes_all_or_nothing(sender):
@@ -76,3 +105,12 @@ def test_register_names_both_regions():
         assert set(world.regions) == {("pre", "kv_pages"), ("pre", "swa_states")}
     finally:
         s.close()
+
+
+def test_released_pages_come_back_as_ascending_runs(sender):
+    """A decode rank's pages come in ascending runs; the handoff pool's must too, so that a
+    transfer merges a run into one descriptor."""
+    for _ in range(3):
+        assert sender.reserve("r", 20, needs_state=False)
+        assert sender.entries["r"].pages == [0, 1, 2, 3, 4]
+        sender.release("r", "pulled")
