@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-import numpy as np
 import torch
 
 from hicache.transfer.base import (
@@ -106,10 +105,10 @@ def _boot_id() -> str:
     return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
 
 
-def _copy(src: torch.Tensor, dst: torch.Tensor, src_idx: np.ndarray, dst_idx: np.ndarray,
+def _copy(src: torch.Tensor, dst: torch.Tensor, src_idx: list[int], dst_idx: list[int],
           use_kernel: bool, threads: int) -> None:
     """dst[dst_idx[i]] = src[src_idx[i]] over `[pages, page_bytes]` uint8 views."""
-    s, d = torch.from_numpy(src_idx), torch.from_numpy(dst_idx)
+    s, d = torch.tensor(src_idx, dtype=torch.int64), torch.tensor(dst_idx, dtype=torch.int64)
     if use_kernel and dst.device.type == "cpu":
         from hicache.page_copy import copy_pages
 
@@ -189,8 +188,8 @@ class ShmBackend(TransferBackend):
                              "the shm backend reads only shared pools")
         return region
 
-    def _prepare_read(self, handle: TransferHandle, remote: RegionDesc, src: np.ndarray,
-                      local: Region, dst: np.ndarray) -> Callable[[], None]:
+    def _prepare_read(self, handle: TransferHandle, remote: RegionDesc, src: list[int],
+                      local: Region, dst: list[int]) -> Callable[[], None]:
         view = self._peers[handle.peer_id].views[remote.name]
         return functools.partial(_copy, view, local.as_bytes(), src, dst, self._use_kernel, self._threads)
 

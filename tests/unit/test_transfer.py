@@ -185,6 +185,22 @@ def test_bad_reads_raise(pair) -> None:
         reader.read("prefill0", "host", [0], "nope", [0])
 
 
+def test_page_ids_as_arrays_tensors_and_lists_the_caller_may_reuse(pair) -> None:
+    reader, local, _ = pair
+    src, dst = [40, 41, 42, 43, 44, 45], [30, 31, 32, 33, 34, 35]  # 6 pages: on the read thread
+    h = reader.read("prefill0", "host", src, "kv", dst)
+    src[:], dst[:] = [0] * 6, [0] * 6  # the read keeps its own copy of the ids
+    small = reader.read("prefill0", "host", np.array([50], dtype=np.int32), "kv", torch.tensor([36]))
+    assert [wait(reader, x) for x in (h, small)] == ["done", "done"]
+    for x in (h, small):
+        reader.release(x)
+    got = local.view(LOCAL_PAGES, -1).view(torch.uint8)
+    assert torch.equal(got[30:37], expected_pages()[[40, 41, 42, 43, 44, 45, 50]])
+    for bad in ([1.0], [True], ["1"], np.array([1.5]), torch.tensor([[1]])):
+        with pytest.raises(ValueError, match="flat list of integers"):
+            reader.read("prefill0", "host", bad, "kv", [0])
+
+
 def test_bad_peers_and_regions_raise(pair) -> None:
     reader, local, _ = pair
     with pytest.raises(ValueError, match="already added"):
