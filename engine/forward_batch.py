@@ -31,7 +31,9 @@ class PrefillMeta:
     pages: torch.Tensor  # [num_pages] covering positions [0, num_computed + length)
     mask: torch.Tensor | None  # [1, 1, length, ctx] additive float, full layers (None: causal from 0)
     swa_slot: int
-    swa_mask: torch.Tensor | None  # [1, 1, length, window + length] additive float
+    # [1, 1, length, window + length] additive float; None when the chunk starts the sequence and
+    # fits the window (nothing in the ring yet, no key out of reach: plain causal over its own keys)
+    swa_mask: torch.Tensor | None
 
 
 @dataclass
@@ -135,10 +137,12 @@ def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, w
             full_mask = None
             if nc > 0:
                 full_mask = _additive(torch.arange(ctx).unsqueeze(0) <= q_pos.unsqueeze(1), dtype)
+            swa_mask = None
+            if window and not (nc == 0 and n <= window):
+                swa_mask = _additive(_ring_mask(nc, q_pos, window), dtype)
             prefills.append(PrefillMeta(
                 start=start, length=n, pages=torch.tensor(pages[:num_ctx_pages], dtype=torch.long),
-                mask=full_mask, swa_slot=seq.swa_slot if window else -1,
-                swa_mask=_additive(_ring_mask(nc, q_pos, window), dtype) if window else None))
+                mask=full_mask, swa_slot=seq.swa_slot if window else -1, swa_mask=swa_mask))
     dec_pages = dec_ctx_t = dec_slot_t = dec_swa_ctx = None
     if num_decode:
         pmax = max(len(t) for t in dec_tables)

@@ -17,17 +17,12 @@ flags so an edit rebuilds; later processes load the cached library.
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import shutil
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-from engine.model_cache import cache_root
+from engine.layers.jit import load_kernel
 
-_CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _CPU_SOURCES = ("page_copy.cpp",)
 _CUDA_SOURCES = ("page_copy.cpp", "page_copy.cu")
 _HEADERS = ("include/page_copy.h",)
@@ -38,47 +33,14 @@ _MAX_DEFAULT_THREADS = 8
 Index = torch.Tensor | Sequence[int]
 
 
-def _check_compiler() -> None:
-    # torch.utils.cpp_extension compiles with $CXX, else `c++`.
-    cxx = os.environ.get("CXX") or "c++"
-    if shutil.which(cxx.split()[0]) is not None:
-        return
-    hint = " (g++ is installed: set CXX=g++)" if shutil.which("g++") else ""
-    source = "$CXX" if os.environ.get("CXX") else "`c++` on PATH ($CXX is unset)"
-    raise RuntimeError(
-        f"hicache.page_copy needs a C++ compiler to build its kernel, but {source} "
-        f"names {cxx!r}, which was not found{hint}"
-    )
-
-
 @functools.cache
 def _load_ops() -> None:
     """Build (or find cached) and load the kernel library into torch.ops.pdserve."""
-    from torch.utils import cpp_extension
-
-    _check_compiler()
     with_cuda = torch.cuda.is_available()
-    variant = "page_copy_cuda" if with_cuda else "page_copy_cpu"
-    sources = _CUDA_SOURCES if with_cuda else _CPU_SOURCES
     defines = ["-DPDSERVE_WITH_CUDA"] if with_cuda else []
-    cflags = [*_CFLAGS, *defines]
-    cuda_cflags = ["-O3", *defines]
-    digest = hashlib.sha256()
-    for rel in sources + _HEADERS:
-        digest.update(rel.encode() + b"\0" + (_CSRC / rel).read_bytes())
-    digest.update(" ".join(cflags + cuda_cflags).encode() + torch.__version__.encode())
-    build_dir = cache_root() / "kernels" / f"{variant}-{digest.hexdigest()[:12]}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=f"pdserve_{variant}",
-        sources=[str(_CSRC / rel) for rel in sources],
-        extra_cflags=cflags,
-        extra_cuda_cflags=cuda_cflags,
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(_CSRC / "include")],
-        build_directory=str(build_dir),
-        is_python_module=False,  # the library registers torch.ops.pdserve.copy_pages
-    )
+    load_kernel("hicache.page_copy", "page_copy_cuda" if with_cuda else "page_copy_cpu",
+                _CUDA_SOURCES if with_cuda else _CPU_SOURCES, [*_CFLAGS, *defines],
+                headers=_HEADERS, cuda_cflags=["-O3", *defines])
 
 
 def _as_index(idx: Index) -> torch.Tensor:

@@ -72,10 +72,15 @@ class PagedAttention(torch.nn.Module):
             out[:b] = paged_decode_attention(q[:b].contiguous(), ring, fb.dec_slots, fb.dec_swa_ctx, self.scale)
         for p in fb.prefills:
             s, n = p.start, p.length
-            old = ring[p.swa_slot]  # [2, W, KVH, D]
-            kk = torch.cat([old[0], k[s:s + n]]).transpose(0, 1)  # [KVH, W+n, D]
-            vv = torch.cat([old[1], v[s:s + n]]).transpose(0, 1)
-            out[s:s + n] = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, p.swa_mask, self.scale).transpose(0, 1)
+            if p.swa_mask is None:  # a first chunk within the window: causal over its own keys
+                kk, vv = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)  # [KVH, n, D]
+                o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, None, self.scale, causal=True)
+            else:
+                old = ring[p.swa_slot]  # [2, W, KVH, D]
+                kk = torch.cat([old[0], k[s:s + n]]).transpose(0, 1)  # [KVH, W+n, D]
+                vv = torch.cat([old[1], v[s:s + n]]).transpose(0, 1)
+                o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, p.swa_mask, self.scale)
+            out[s:s + n] = o.transpose(0, 1)
         # Prefill chunks write only after all their queries have read the old ring.
         if fb.prefills:
             slot, idx, tok = fb.swa_write_slot[b:], fb.swa_write_idx[b:], fb.swa_write_tok[b:]

@@ -12,64 +12,20 @@ plain-torch path (`reference_decode_attention`).
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import platform
-import shutil
-from pathlib import Path
 
 import torch
 
-from engine.model_cache import cache_root
+from engine.layers.jit import load_kernel
 
-_CSRC = Path(__file__).resolve().parents[2] / "csrc"
-_SOURCE = "paged_attention.cpp"
 # -fopenmp: at::parallel_for is header code over OpenMP; without it the kernel runs
 # on one thread. The extension shares torch's already-loaded libgomp.so.1.
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
-_LDFLAGS = ("-fopenmp",)
-
-
-def _check_compiler() -> None:
-    # torch.utils.cpp_extension compiles with $CXX, else `c++`.
-    cxx = os.environ.get("CXX") or "c++"
-    if shutil.which(cxx.split()[0]) is None:
-        hint = " (g++ is installed: set CXX=g++)" if shutil.which("g++") else ""
-        raise RuntimeError(
-            f"engine.layers.paged_attention_op needs a C++ compiler to build its CPU kernel, "
-            f"but {cxx!r} ({'$CXX' if os.environ.get('CXX') else 'the default'}) was not found{hint}"
-        )
-
-
-def _cpu_id() -> str:
-    """The CPU model and feature flags: -march=native code is only valid where they match."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in keep}))
 
 
 @functools.cache
 def _load_ops() -> None:
     """Build (or find cached) and load the kernel into torch.ops.pdserve."""
-    from torch.utils import cpp_extension
-
-    _check_compiler()
-    digest = hashlib.sha256((_CSRC / _SOURCE).read_bytes())
-    for part in (" ".join(_CFLAGS + _LDFLAGS), torch.__version__, _cpu_id()):
-        digest.update(b"\0" + part.encode())
-    build_dir = cache_root() / "kernels" / f"paged_attention_cpu-{digest.hexdigest()[:12]}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name="pdserve_paged_attention_cpu",
-        sources=[str(_CSRC / _SOURCE)],
-        extra_cflags=list(_CFLAGS),
-        extra_ldflags=list(_LDFLAGS),
-        build_directory=str(build_dir),
-        is_python_module=False,  # the library registers torch.ops.pdserve.paged_decode_attention
-    )
+    load_kernel("engine.layers.paged_attention_op", "paged_attention_cpu", ["paged_attention.cpp"], _CFLAGS)
 
 
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,

@@ -7,6 +7,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
+from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.weights import WeightLoader
 
@@ -31,7 +32,7 @@ class DecoderLM(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
             self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.to(dtype)
         self.requires_grad_(False)
         self.embed_scale: torch.Tensor | None = None

@@ -13,6 +13,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.layers.attention import PagedAttention
+from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
 from engine.models.base import DecoderLM
@@ -22,8 +23,8 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, norm_cls=RMSNorm) -> None:
         super().__init__()
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.q_norm = norm_cls(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = norm_cls(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.layer_type = cfg.layer_types[layer_id]
@@ -49,8 +50,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, act: str) -> None:
         super().__init__()
         self.inter = inter
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
         self.act = F.silu if act == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.layers.jit import check_compiler
 from hicache import page_copy
 from hicache.page_copy import copy_pages, torch_copy_pages
 
@@ -191,7 +192,7 @@ def test_rejects_bad_thread_count_and_device():
 def test_missing_compiler_is_named(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
     with pytest.raises(RuntimeError, match="no-such-c\\+\\+-compiler"):
-        page_copy._check_compiler()
+        check_compiler("hicache.page_copy")
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,0 +1,75 @@
+"""JIT build-and-load of the C++ kernels in `csrc/`, shared by every thin kernel loader.
+
+`load_kernel` builds a source set with torch.utils.cpp_extension into
+`$PDSERVE_CACHE_DIR/kernels/<variant>-<hash>` and loads the library, which registers
+its ops under `torch.ops.pdserve`. The hash covers the sources and headers, the
+flags and the torch version, and, for `-march=native` builds, the CPU model and
+feature flags (such code is only valid where they match): an edit, an upgrade or
+another machine rebuilds; later processes load the cached library.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.model_cache import cache_root
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+
+def check_compiler(who: str) -> None:
+    """Raise RuntimeError naming `who` when torch's extension builder has no C++ compiler."""
+    cxx = os.environ.get("CXX") or "c++"  # torch.utils.cpp_extension compiles with $CXX, else `c++`
+    if shutil.which(cxx.split()[0]) is not None:
+        return
+    hint = " (g++ is installed: set CXX=g++)" if shutil.which("g++") else ""
+    source = "$CXX" if os.environ.get("CXX") else "`c++` on PATH ($CXX is unset)"
+    raise RuntimeError(f"{who} needs a C++ compiler to build its kernel, but {source} names {cxx!r}, "
+                       f"which was not found{hint}")
+
+
+def cpu_id() -> str:
+    """The CPU model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in keep}))
+
+
+def load_kernel(who: str, variant: str, sources: Sequence[str], cflags: Sequence[str],
+                ldflags: Sequence[str] = ("-fopenmp",), headers: Sequence[str] = (),
+                cuda_cflags: Sequence[str] = ()) -> None:
+    """Build (or find cached) `sources` (paths under csrc/) and load them into torch.ops.pdserve.
+
+    Raises RuntimeError when no compiler is found or the build fails.
+    """
+    from torch.utils import cpp_extension
+
+    check_compiler(who)
+    digest = hashlib.sha256()
+    for rel in (*sources, *headers):
+        digest.update(rel.encode() + b"\0" + (CSRC / rel).read_bytes())
+    for part in (" ".join((*cflags, *ldflags, *cuda_cflags)), torch.__version__):
+        digest.update(b"\0" + part.encode())
+    if "-march=native" in cflags:
+        digest.update(b"\0" + cpu_id().encode())
+    build_dir = cache_root() / "kernels" / f"{variant}-{digest.hexdigest()[:12]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=f"pdserve_{variant}",
+        sources=[str(CSRC / rel) for rel in sources],
+        extra_cflags=list(cflags),
+        extra_cuda_cflags=list(cuda_cflags),
+        extra_ldflags=list(ldflags),
+        extra_include_paths=[str(CSRC / "include")],
+        build_directory=str(build_dir),
+        is_python_module=False,  # the library registers its ops in torch.ops.pdserve
+    )

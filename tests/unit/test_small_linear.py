@@ -1,0 +1,83 @@
+"""small_linear (csrc/small_linear.cpp) against an fp32 reference, and the Linear layer's dispatch.
+
+The kernel accumulates bf16 products in fp32 and rounds once, so it must match the
+fp32 product of the same bf16 inputs to bf16 rounding, and a row's result must not
+depend on the batch it ran in. Skipped where the CPU or compiler lacks AVX512-BF16.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers import linear
+from engine.layers.linear import Linear, small_linear, small_linear_available
+
+pytestmark = pytest.mark.skipif(not small_linear_available(), reason="no AVX512-BF16 on this CPU/compiler")
+
+
+def bf16(*shape, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def reference(x, w, b=None) -> torch.Tensor:
+    out = x.float() @ w.float().T
+    return (out if b is None else out + b.float()).bfloat16()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 7), (40, 5), (100, 33), (1536, 1), (32, 4)])
+def test_matches_fp32_reference(m, k, n):
+    x, w = bf16(m, k, seed=1), bf16(n, k, seed=2)
+    out = small_linear(x, w)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    # Both round an fp32 sum once; the sums differ only in order (a few fp32 ulps),
+    # which can move a value across a bf16 rounding boundary: one bf16 ulp at most.
+    torch.testing.assert_close(out.float(), reference(x, w).float(), atol=1e-2, rtol=8e-3)
+
+
+def test_bias_is_added_before_rounding():
+    x, w, b = bf16(3, 96, seed=3), bf16(11, 96, seed=4), bf16(11, seed=5)
+    torch.testing.assert_close(small_linear(x, w, b).float(), reference(x, w, b).float(), atol=1e-2, rtol=8e-3)
+
+
+def test_rows_do_not_depend_on_the_batch():
+    w = bf16(300, 576, seed=6)
+    xs = bf16(7, 576, seed=7)
+    alone = torch.cat([small_linear(xs[i:i + 1], w) for i in range(7)])
+    for m in range(1, 8):
+        assert torch.equal(small_linear(xs[:m], w), alone[:m])
+    with_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(small_linear(xs, w), alone)
+    finally:
+        torch.set_num_threads(with_threads)
+
+
+def test_empty_shapes():
+    assert small_linear(bf16(0, 64, seed=8), bf16(5, 64, seed=9)).shape == (0, 5)
+    assert small_linear(bf16(2, 64, seed=8), bf16(0, 64, seed=9)).shape == (2, 0)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: small_linear(bf16(2, 64, seed=1).float(), bf16(3, 64, seed=2)),  # dtype
+    lambda: small_linear(bf16(2, 64, seed=1), bf16(3, 32, seed=2)),  # K mismatch
+    lambda: small_linear(bf16(64, 2, seed=1).T, bf16(3, 64, seed=2)),  # not contiguous
+    lambda: small_linear(bf16(2, 64, seed=1), bf16(3, 64, seed=2), bf16(4, seed=3)),  # bias size
+])
+def test_bad_inputs_raise(bad):
+    with pytest.raises(RuntimeError, match="small_linear"):
+        bad()
+
+
+def test_layer_routes_small_bf16_batches_to_the_kernel(monkeypatch):
+    layer = Linear(64, 24, bias=True).to(torch.bfloat16).requires_grad_(False)
+    calls = []
+    monkeypatch.setattr(linear, "small_linear", lambda *a: calls.append(a[0].shape[0]) or small_linear(*a))
+    for m in (1, linear.MAX_ROWS, linear.MAX_ROWS + 1):
+        x = bf16(m, 64, seed=m)
+        torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(),
+                                   atol=2e-2, rtol=2e-2)
+    layer.float()(bf16(1, 64, seed=1).float())  # fp32 stays on torch's path
+    assert calls == [1, linear.MAX_ROWS]
