@@ -105,15 +105,22 @@ class _ChatStream:
             t = self._templates[idx] = sse.event_template(chunk, _MARK)
         return t
 
+    def fast(self, idx: int, ev: TokenEvent) -> bytes | None:
+        """The event of a content-only token from its template; None off the fast path."""
+        if not self.plain or not self.started[idx]:
+            return None
+        self.choices[idx].count(ev)
+        prefix, suffix = self._template(idx)
+        return prefix + sse.json_string(ev.text) + suffix
+
     def render(self, batch) -> bytes:
         out = []
         for idx, ev in batch:
-            self.choices[idx].count(ev)
-            if self.plain and self.started[idx]:
-                prefix, suffix = self._template(idx)
-                out.append(prefix + sse.json_string(ev.text) + suffix)
-            else:
-                out.append(self._chunk(idx, ev))
+            chunk = self.fast(idx, ev)
+            if chunk is None:
+                self.choices[idx].count(ev)
+                chunk = self._chunk(idx, ev)
+            out.append(chunk)
             if ev.finish_reason is not None:
                 reason = ev.finish_reason
                 if self.parsers is not None and self.parsers[idx].num_calls:

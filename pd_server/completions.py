@@ -15,6 +15,7 @@ from starlette.responses import Response
 from pd_server import sse
 from pd_server.api_models import CompletionRequest
 from pd_server.errors import APIError, bad_request, error_body
+from pd_server.protocol.rank_router import TokenEvent
 from pd_server.responses import Completion, CompletionChoice, to_json
 from pd_server.routing import RouteRequest
 from pd_server.sampling import check_prompt, fit_max_tokens, make_sampling
@@ -93,14 +94,20 @@ class _CompletionStream:
                 Completion(self.rid, self.created, self.model, [CompletionChoice(idx, _MARK, None)]), _MARK)
         return t
 
+    def fast(self, idx: int, ev: TokenEvent) -> bytes | None:
+        """The event of a text-only token from its template; None off the fast path."""
+        if not self.plain:
+            return None
+        self.choices[idx].count(ev)
+        prefix, suffix = self._template(idx)
+        return prefix + sse.json_string(ev.text) + suffix
+
     def render(self, batch) -> bytes:
         out = []
         for idx, ev in batch:
-            self.choices[idx].count(ev)
-            if self.plain:
-                prefix, suffix = self._template(idx)
-                out.append(prefix + sse.json_string(ev.text) + suffix)
-            else:
+            chunk = self.fast(idx, ev)
+            if chunk is None:
+                self.choices[idx].count(ev)
                 lp = None
                 if self.req.logprobs is not None and ev.logprobs:
                     lp = completion_logprobs(self.ctx, ev.logprobs, self.offsets[idx])
@@ -108,7 +115,8 @@ class _CompletionStream:
                 choice = CompletionChoice(idx, ev.text, None, lp)
                 if self.req.return_token_ids:
                     choice.token_ids = ev.token_ids
-                out.append(self._event([choice]))
+                chunk = self._event([choice])
+            out.append(chunk)
             if ev.finish_reason is not None:
                 out.append(self._event([CompletionChoice(idx, "", ev.finish_reason)]))
         return b"".join(out)

@@ -7,7 +7,10 @@ Life of a request here:
      (routing.pick_decode_rank); the Generate to the prefill rank names the decode rank.
   2. The receive loop decodes each TokenBatch and puts (choice index, TokenEvent) on the
      request's inbox (request_state.Inbox); the last event of a sub-request (finish_reason
-     set) retires it. Inter-token gaps reach the histogram after the woken streams ran.
+     set) retires it. A streaming request's inbox holds its events until the round (every
+     frame already queued) is decoded, then hands them to the stream in one go, which writes
+     them without a task wake-up (sse_response.py). Inter-token gaps reach the histogram
+     after that.
      PD: the first token comes from the prefill rank, the rest from the decode rank, over two
      paths: events are put in order by their token offset (a decode event that overtakes the
      first token waits for it). Once the first token is in, the prefill rank is done with the
@@ -46,7 +49,7 @@ from pd_server.protocol.codec import Codec
 from pd_server.protocol.rank_router import CacheEvents, Goodbye, Hello, RankStats, RequestError, TokenBatch, TokenEvent
 from pd_server.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown
 from pd_server.ranks import DEAD, PD_ROLES, Rank, RankRegistry, version_mismatch
-from pd_server.request_state import Failure, Handle, Pending
+from pd_server.request_state import Failure, Handle, Inbox, Pending
 from pd_server.routing import RouteRequest, RoutingPolicy, expected_hit_tokens, pick_decode_rank, pick_rank
 
 log = logging.getLogger("pd_server.dispatcher")
@@ -68,6 +71,7 @@ class Dispatcher:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        self._held: list[Inbox] = []  # inboxes holding events until this receive round ends
         self._auth = None  # ZAP handler thread, with a secret
 
     def bind(self) -> str:
@@ -257,11 +261,17 @@ class Dispatcher:
             while p.received in p.early and ev.request_id in self.pending:
                 self._deliver(p, p.early.pop(p.received), now, itl)
         if itl and self._loop is not None:
-            # NOTE: after the streams this batch woke (call_soon is FIFO), so no token waits on
-            # the histogram's per-sample locks.
+            # NOTE: after the streams this batch woke and the flush (call_soon is FIFO), so no
+            # token waits on the histogram's per-sample locks.
             self._loop.call_soon(self._observe_itl, itl)
         elif itl:  # not started (tests drive frames by hand)
             self._observe_itl(itl)
+
+    def _flush_held(self) -> None:
+        """End of a receive round: every inbox holding events hands them to its stream at once."""
+        held, self._held = self._held, []
+        for inbox in held:
+            inbox.flush()
 
     def _observe_itl(self, samples: list[float]) -> None:
         observe = self.metrics.itl.observe
@@ -283,7 +293,10 @@ class Dispatcher:
             for r in p.ranks():
                 r.inflight.discard(ev.request_id)
             self._on_finished(p, ev, now)
-        p.queue.put_nowait((p.index, ev))
+        if p.queue.hold((p.index, ev)):
+            if not self._held:  # the first this round: flush once the receive loop yields
+                asyncio.get_running_loop().call_soon(self._flush_held)
+            self._held.append(p.queue)
 
     def _on_finished(self, p: Pending, ev: TokenEvent, now: float) -> None:
         m = self.metrics

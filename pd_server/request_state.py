@@ -3,6 +3,7 @@ HTTP handler reads, its Inbox, and the Failure that ends a sub-request early (di
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,18 +34,51 @@ class Inbox:
 
     An asyncio.Queue cut down to one reader that takes everything pending at once: a put only
     appends and, if the reader waits, completes its one future (no per-item futures or loop
-    look-ups: this runs once per token per stream on the router's hot path)."""
+    look-ups: this runs once per token per stream on the router's hot path).
 
-    __slots__ = ("_items", "_waiter")
+    With an `eager` writer set (sse_response.SSEStream), the dispatcher holds() token events
+    instead and flush()es every held inbox once per receive round: the writer gets all of
+    them at once, and the reader is woken only if the writer declines them."""
+
+    __slots__ = ("_items", "_waiter", "_held", "eager")
 
     def __init__(self) -> None:
         self._items: list = []
         self._waiter: asyncio.Future | None = None
+        self._held = False
+        # Takes every pending item (the reader waits, so nothing else is pending) and returns True
+        # once it has handled them itself, or False to leave them to the reader.
+        self.eager: Callable[[list], bool] | None = None
 
     def put_nowait(self, item) -> None:
         self._items.append(item)
+        self._wake()
+
+    def hold(self, item) -> bool:
+        """put_nowait without the wake-up, where an eager writer may take the item: True when
+        the caller must flush() this inbox later (once, however many items it holds)."""
+        self._items.append(item)
+        if self._waiter is None or self._held:
+            return False
+        if self.eager is None:
+            self._wake()
+            return False
+        self._held = True
+        return True
+
+    def flush(self) -> None:
+        """Offer the held items to the eager writer; wake the reader if it declines them."""
+        self._held = False
+        if self._waiter is None or not self._items:
+            return
+        if self.eager is not None and self.eager(self._items):
+            self._items = []
+        else:
+            self._wake()
+
+    def _wake(self) -> None:
         w = self._waiter
-        if w is not None:
+        if w is not None and not self._held:
             self._waiter = None
             if not w.done():  # a cancelled reader leaves a cancelled future
                 w.set_result(None)

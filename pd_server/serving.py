@@ -85,7 +85,7 @@ class Choice:
             self.finish_reason = ev.finish_reason
 
     def count(self, ev: TokenEvent) -> None:
-        """Only what usage() reads (a stream renders the rest as it goes)."""
+        """Only what usage() reads (a stream renders the rest as it goes); idempotent."""
         self.completion_tokens = ev.completion_tokens
         self.prompt_tokens, self.cached_tokens = ev.prompt_tokens, ev.cached_tokens
 

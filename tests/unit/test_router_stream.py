@@ -62,6 +62,8 @@ class Exchange:
         self.inbound: asyncio.Queue = asyncio.Queue()
         self.inbound.put_nowait({"type": "http.request", "body": raw, "more_body": False})
         self.messages: list[dict] = []
+        self.gate = asyncio.Event()  # cleared: body sends wait (a client that stopped reading)
+        self.gate.set()
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
                  "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
                  "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
@@ -69,6 +71,8 @@ class Exchange:
         self.task = asyncio.ensure_future(app(scope, self.inbound.get, self._send))
 
     async def _send(self, message: dict) -> None:
+        if message["type"] == "http.response.body":
+            await self.gate.wait()
         self.messages.append(message)
 
     @property
@@ -220,6 +224,40 @@ def test_non_streaming_disconnect_aborts_too(app):
         assert Abort(gen.request_id) in disp.sent and not disp.pending
 
     asyncio.run(run())
+
+
+def test_a_send_that_waits_keeps_the_order_of_later_tokens(app):
+    async def run():
+        x, sid = await streaming_after_one_token(app)
+        disp = app[1]
+        x.gate.clear()
+        disp._on_tokens([ev(sid, 2, "b")])  # written at the round's end: its send now waits
+        await settle()
+        disp._on_tokens([ev(sid, 3, "c")])  # must wait behind it
+        await settle()
+        disp._on_tokens([ev(sid, 4, "d", "length")])
+        await settle()
+        assert not x.task.done() and len(x.messages) == 2
+        x.gate.set()
+        await asyncio.wait_for(x.task, 5)
+        return x
+
+    events = asyncio.run(run()).events()
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["x", "b", "c", "d", ""]
+    assert events[-1] == b"[DONE]"
+
+
+def test_tokens_of_one_round_share_one_send(app):
+    async def run():
+        x, sid = await streaming_after_one_token(app)
+        disp = app[1]
+        disp._on_tokens([ev(sid, 2, "b")])
+        disp._on_tokens([ev(sid, 3, "c")])  # the same receive round: nothing ran in between
+        await settle()
+        return x
+
+    x = asyncio.run(run())
+    assert x.messages[-1]["body"].count(b"data: ") == 2 and len(x.messages) == 3
 
 
 @pytest.mark.parametrize("text", TRICKY)
