@@ -20,9 +20,10 @@ References, both printed, every ratio against each:
   * cma = one process_vm_readv(2) of the same pages (one iovec per page) out of the owner
     process into the same destination pages. On one host NIXL's UCX copies with exactly this
     call (CMA), one call per descriptor; unlike memcpy the kernel pins each 4 KiB page of the
-    owner's memory for the copy. So cma is the floor of any cross-process read here without
-    a shared mapping, and `x cma` shows how much of NIXL's time is NIXL and UCX themselves
-    (requests, one call per descriptor, the Python around them) rather than the copy.
+    owner's memory for the copy. So cma is the copy itself, what any cross-process read
+    without a shared mapping pays here, and `x cma` well under 1 shows time spent in NIXL and
+    UCX (requests, one call per descriptor) or in the Python around them rather than copying.
+    (From ~20 MiB up NIXL can beat it: one call with hundreds of iovecs is not faster.)
 Page sizes: 64 KiB and SmolLM2-135M's page (30 layers * 2 * 16 tokens * 3 kv heads * 64
 dims * 2 bytes = 368,640 B). Small sizes sit in the CPU caches for every column alike.
 --threads sets torch's threads (memcpy) and the shm copy threads; NIXL's CMA copy is one
