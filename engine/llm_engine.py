@@ -107,6 +107,9 @@ class LLMEngine:
         # PD prefill rank: called on a prefill-only sequence that got its first token and goes
         # on elsewhere, before its pages are freed; copies its KV out (pages + SWA slot) and
         # returns what becomes RequestOutput.kv_export. None: a KVExport of cloned tensors.
+        # It may take the sequence's device pages and SWA slot (seq.pages = [], seq.swa_slot =
+        # None): the engine then frees neither, and the hook's owner must free them
+        # (KVPool.free / free_slot) before the next step() (prefill/handoff_sender.py does).
         self.export_kv: Callable[[Sequence, KVPool], object] | None = None
         self.hicache: HostCache | None = None
         if cfg.hicache_size_gb > 0:

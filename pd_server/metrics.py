@@ -74,8 +74,8 @@ def phase_durations(sent_at: float, t) -> dict[str, float]:
     """Seconds per phase of one finished request from its PhaseTimes (rank wall clocks).
 
     Colocated: queue, prefill_wait, prefill, decode. PD adds, between prefill and decode:
-    stage (first token sent to Handoff sent; the copy into the handoff pool runs inside the
-    step that samples the first token, so it counts in prefill), admission_wait (Handoff sent
+    stage (first token sent to Handoff sent: the copy into the handoff pool runs after the
+    first token leaves), admission_wait (Handoff sent
     to read start on the decode rank: network plus waiting for room), transfer (the read),
     first_decode (read done to the decode rank's first token); decode then runs from that
     token to the end.

@@ -45,9 +45,11 @@ class DecoderLM(nn.Module):
         """Returns hidden states [S, hidden] of the tokens at fb.logits_indices."""
         x = self.embed(fb.input_ids)
         fb.rope = {t: r.tables(fb.positions) for t, r in self.rotary.items()}
+        residual = None  # layers return (output, residual stream); the next input norm adds them
         for layer in self.layers:
-            x = layer(x, fb, pool)
-        return self.norm(x[fb.logits_indices])
+            x, residual = layer(x, residual, fb, pool)
+        idx = fb.logits_indices
+        return self.norm.add_norm(x[idx], residual[idx] if residual is not None else None)[0]
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()

@@ -26,9 +26,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), fb, pool))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
+                pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (post-norm MLP output, residual stream before it); see LlamaDecoderLayer."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, fb, pool))
+        h, residual = self.pre_feedforward_layernorm.add_norm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3ForCausalLM(DecoderLM):

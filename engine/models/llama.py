@@ -67,9 +67,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), fb, pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
+                pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual stream before it); their sum is HF's layer output."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_norm(self.self_attn(h, fb, pool), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(DecoderLM):
