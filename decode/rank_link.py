@@ -155,10 +155,18 @@ class RankLink:
         welcomed, heartbeat, failed_handshakes, handshake_ok = False, 0.5, 0, False
         refused_since, refused_reason = 0.0, ""
         next_hello = next_stats = last_router = started
+        last_loop = started
         while not self.stopped.is_set():
             now = time.monotonic()
             due = next_stats if welcomed else next_hello
             events = dict(poller.poll(max(1, min(100, int((due - now) * 1000)))))
+            # NOTE: this loop wakes at least every 100 ms. A longer gap means this process did not
+            # run (SIGSTOP, a starved machine): the silence was ours, so the router gets a fresh
+            # timeout to answer the stats sent below (a router that declared this rank dead
+            # answers with Shutdown) before it is presumed gone.
+            if time.monotonic() - last_loop > 1.0:
+                last_router = time.monotonic()
+            last_loop = time.monotonic()
             if self._pull in events:
                 while True:
                     try:
