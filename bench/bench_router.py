@@ -12,8 +12,9 @@ client measures what the router adds to each token (rank socket -> decode -> SSE
 Same-run reference: the fake rank read directly over ZeroMQ by this script (no router, no
 HTTP), the ceiling the rank side sets. "added" = router minus direct at the same percentile
 (p50, p99): the fake rank's own pacing and batching jitter is in both and cancels out.
-"cpu us/tok" (paced runs): the router process's CPU seconds per token streamed, from /proc;
-unlike the latencies it hardly moves when other processes load the machine.
+"cpu us/tok" (paced runs): the router process's CPU seconds per token streamed, from /proc
+(request handling and the router's idle work included, which dominates at 1 stream); unlike
+the latencies it hardly moves when other processes load the machine.
 The HTTP client (--client): `epoll` (default) reads every stream from one selector loop with
 no coroutines, so the client adds little of its own to the latency columns; `asyncio` is the
 first client (a task and StreamReader per stream), which at 256 streams adds several ms per
@@ -267,8 +268,9 @@ def main() -> None:
     print("direct (same-run reference): the fake rank read over ZeroMQ by this script, no router, no HTTP.\n"
           "router: through pd_server (rank socket -> SSE -> HTTP -> client).\n"
           "added: router minus direct at the same percentile (what the router and the HTTP client add).\n"
-          "cpu us/tok: the router process's CPU time per streamed token (load on other cores does not "
-          "change it;\n  x streams = the time one step's fan-out takes on an idle core).\n"
+          "cpu us/tok: the router process's CPU time per streamed token, request handling and idle work "
+          "(heartbeats,\n  stats: most of it at 1 stream) included; x streams ~ the time one step's fan-out "
+          "takes on an idle core.\n"
           "goal: >= 10,000 tok/s at 256 streams; < 2 ms p99 added per token")
 
 
