@@ -9,15 +9,20 @@
 // Why: at batch 1 a decode step reads every weight once and does two flops per
 // weight, so it is bound by memory bandwidth. oneDNN's bf16 path for M = 1 ran at
 // about half the bandwidth a plain streaming read reaches on this CPU (the fp32
-// GEMV of the same matrix was faster despite twice the bytes). This kernel streams
-// W once with AVX512-BF16 dot products (vdpbf16ps: pairs of bf16 products summed
-// into fp32 lanes), four output rows at a time so four independent streams keep the
-// prefetchers busy, and applies those rows to up to four x rows per pass; for M > 4
-// the next passes find the 4-row W block in L1.
+// GEMV of the same matrix was faster despite twice the bytes).
 //
-// Numerics: every product of two bf16 values is exact in fp32; sums are fp32 in a
-// fixed order that depends only on K (never on M, N or the thread count), so a row's
-// result does not depend on which batch it ran in.
+// Two paths, chosen per weight matrix (never per batch):
+//  * AMX (when compiled in, K % 32 == 0, and the kernel grants AMX state): 16 W
+//    rows are one A tile exactly as they lie in memory; x is packed once per call
+//    into the VNNI B tile layout (16 columns of x rows, zero-padded); one
+//    TDPBF16PS per 32 k. Rows past the last full 16 take the AVX-512 path.
+//  * AVX512-BF16: vdpbf16ps dot products, four W rows at a time (four read
+//    streams for the prefetchers) applied to up to four x rows per pass.
+//
+// Numerics: every product of two bf16 values is exact in fp32; each output's fp32
+// sum runs over k in an order fixed by K and its row n alone (never by M, the
+// batch position or the thread count), so a row's result does not depend on the
+// batch it ran in. Rounded to bf16 once, after the bias.
 //
 // Without AVX512-BF16 at compile time the op reports itself unsupported
 // (small_linear_supported() == false) and the loader uses torch's linear.
@@ -30,9 +35,13 @@
 #include <immintrin.h>
 #endif
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #ifndef _OPENMP
 #error "compile with -fopenmp: without it at::parallel_for runs on one thread"
@@ -89,14 +98,15 @@ inline void block_m(int nm, const c10::BFloat16* w, const c10::BFloat16* x, int6
   }
 }
 
-void run(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
-         int64_t M, int64_t N, int64_t K) {
-  const int64_t blocks = (N + kRows - 1) / kRows;
+// Rows [n0, N) of the output with AVX512-BF16 dot products.
+void run_avx512(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
+                int64_t M, int64_t N, int64_t K, int64_t n0) {
+  const int64_t blocks = (N - n0 + kRows - 1) / kRows;
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kRows * K * 2));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     float acc[kXRows][kRows];
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * kRows;
+      const int64_t n = n0 + b * kRows;
       const int nr = (int)std::min<int64_t>(kRows, N - n);
       const c10::BFloat16* wb = w + n * K;
       for (int64_t m = 0; m < M; m += kXRows) {
@@ -118,6 +128,114 @@ void run(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bi
     }
   });
 }
+
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define PDSERVE_AMX 1
+
+// AMX: tiles of 16 rows x 64 bytes. C[n][m] += sum_k W[n][k] * x[m][k] is one
+// TDPBF16PS per 32 k with A = 16 rows of W as they lie in memory and B = x
+// packed once per call into the VNNI layout B[k/2][m][k%2] (16 columns of m,
+// zero past M). Four C tiles cover 64 rows of W per pass over k.
+constexpr int64_t kTileN = 16;  // W rows per A tile
+constexpr int64_t kTileM = 16;  // x rows per B tile
+constexpr int64_t kTilesN = 4;  // C tiles (W row blocks) per pass
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {
+  // Linux hands out AMX state per process on request (XFEATURE_XTILEDATA = 18).
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+  return ok;
+}
+
+void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// xp[kc][kp][m][j] = x[m0 + m][32 kc + 2 kp + j], zero for m >= M - m0.
+void pack_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t m0, uint16_t* xp) {
+  const int64_t mm = std::min<int64_t>(kTileM, M - m0);
+  std::memset(xp, 0, sizeof(uint16_t) * K * kTileM);
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t m = 0; m < mm; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      xp[(k / 32) * 512 + ((k % 32) / 2) * 32 + m * 2 + (k % 2)] = xs[(m0 + m) * K + k];
+}
+
+template <int NT>
+inline void amx_rows(const c10::BFloat16* w, const uint16_t* xp, int64_t K, float* c) {
+  // c[t][16 n][16 m] for NT row blocks of W starting at w.
+  if (NT > 0) _tile_zero(0);
+  if (NT > 1) _tile_zero(1);
+  if (NT > 2) _tile_zero(2);
+  if (NT > 3) _tile_zero(3);
+  const int64_t stride = K * 2;
+  for (int64_t kc = 0; kc < K / 32; ++kc) {
+    _tile_loadd(5, xp + kc * 512, 64);
+    const c10::BFloat16* a = w + kc * 32;
+    _tile_loadd(4, a, stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if (NT > 1) { _tile_loadd(4, a + kTileN * K, stride); _tile_dpbf16ps(1, 4, 5); }
+    if (NT > 2) { _tile_loadd(4, a + 2 * kTileN * K, stride); _tile_dpbf16ps(2, 4, 5); }
+    if (NT > 3) { _tile_loadd(4, a + 3 * kTileN * K, stride); _tile_dpbf16ps(3, 4, 5); }
+  }
+  _tile_stored(0, c, 64);
+  if (NT > 1) _tile_stored(1, c + 256, 64);
+  if (NT > 2) _tile_stored(2, c + 512, 64);
+  if (NT > 3) _tile_stored(3, c + 768, 64);
+}
+
+// Rows [0, N / 16 * 16) of the output with AMX; returns the first row left over.
+int64_t run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
+                int64_t M, int64_t N, int64_t K) {
+  const int64_t nblocks = N / kTileN;
+  if (K % 32 || nblocks == 0 || !amx_permitted()) return 0;
+  const int64_t groups = (M + kTileM - 1) / kTileM;
+  std::vector<uint16_t> xp(static_cast<size_t>(groups * K * kTileM));
+  for (int64_t g = 0; g < groups; ++g) pack_x(x, M, K, g * kTileM, xp.data() + g * K * kTileM);
+  const int64_t passes = (nblocks + kTilesN - 1) / kTilesN;
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kTilesN * kTileN * K * 2));
+  at::parallel_for(0, passes, grain, [&](int64_t p0, int64_t p1) {
+    load_tile_config();
+    alignas(64) float c[kTilesN * kTileN * kTileM];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t nb = p * kTilesN;
+      const int nt = (int)std::min<int64_t>(kTilesN, nblocks - nb);
+      const c10::BFloat16* wb = w + nb * kTileN * K;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint16_t* xg = xp.data() + g * K * kTileM;
+        switch (nt) {
+          case 1: amx_rows<1>(wb, xg, K, c); break;
+          case 2: amx_rows<2>(wb, xg, K, c); break;
+          case 3: amx_rows<3>(wb, xg, K, c); break;
+          default: amx_rows<4>(wb, xg, K, c); break;
+        }
+        const int64_t mm = std::min<int64_t>(kTileM, M - g * kTileM);
+        for (int64_t r = 0; r < nt * kTileN; ++r) {
+          const int64_t n = nb * kTileN + r;
+          const float bv = bias ? static_cast<float>(bias[n]) : 0.f;
+          for (int64_t m = 0; m < mm; ++m)
+            out[(g * kTileM + m) * N + n] = c10::BFloat16(c[r * kTileM + m] + bv);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return nblocks * kTileN;
+}
+#endif  // AMX
 
 #endif  // __AVX512BF16__
 
@@ -149,7 +267,14 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
   at::Tensor out = at::empty({M, N}, x.options());
 #if defined(__AVX512BF16__)
   if (M && N && K) {
-    run(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), b, out.data_ptr<c10::BFloat16>(), M, N, K);
+    const auto* xd = x.data_ptr<c10::BFloat16>();
+    const auto* wd = w.data_ptr<c10::BFloat16>();
+    auto* od = out.data_ptr<c10::BFloat16>();
+    int64_t n0 = 0;
+#if defined(PDSERVE_AMX)
+    n0 = run_amx(xd, wd, b, od, M, N, K);
+#endif
+    if (n0 < N) run_avx512(xd, wd, b, od, M, N, K, n0);
   } else if (M && N) {
     out.zero_();
     if (b) out.add_(*bias);

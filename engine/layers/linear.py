@@ -2,11 +2,12 @@
 
 A decode step multiplies a handful of rows by every weight matrix once, so its
 time is the time to stream the weights from memory. `csrc/small_linear.cpp`
-(torch.ops.pdserve.small_linear, AVX512-BF16) streams them at close to the
-machine's read bandwidth, where oneDNN's bf16 GEMV reached about half of it.
-Larger batches (prefill chunks) keep torch's GEMM (oneDNN, AMX where present).
-The first call JIT-builds the kernel (`-march=native`); on a CPU or compiler
-without AVX512-BF16 the op says it is unsupported and torch's linear is used.
+(torch.ops.pdserve.small_linear: AMX tiles, else AVX512-BF16 dot products)
+streams them at close to the machine's read bandwidth, where oneDNN's bf16 GEMV
+reached about half of it, and gives each row the same result whatever batch it
+is in. Larger inputs (prefill chunks) keep torch's GEMM (oneDNN). The first call
+JIT-builds the kernel (`-march=native`); on a CPU or compiler without
+AVX512-BF16 the op says it is unsupported and torch's linear is used.
 Set PDSERVE_SMALL_LINEAR=0 to force torch's path (for comparison).
 """
 from __future__ import annotations
@@ -20,9 +21,9 @@ from torch import nn
 
 from engine.layers.jit import load_kernel
 
-# Rows up to which the kernel beats oneDNN here (bench/bench_linear.py); above it
-# the weight block is re-read from L1 once per 4 rows and AMX tiles win.
-MAX_ROWS = 4
+# Rows up to which the kernel is used: decode batches. Prefill chunks (hundreds of
+# rows) are compute-bound and oneDNN's blocked GEMM is faster there.
+MAX_ROWS = 32
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 

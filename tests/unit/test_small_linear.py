@@ -25,8 +25,10 @@ def reference(x, w, b=None) -> torch.Tensor:
     return (out if b is None else out + b.float()).bfloat16()
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("k,n", [(576, 960), (64, 7), (40, 5), (100, 33), (1536, 1), (32, 4)])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 9, 16, 17, 33])
+# K % 32 == 0 with N >= 16 runs on AMX tiles where present (N past the last full 16 rows,
+# and every other shape, on AVX-512): cover full tiles, tails and the AVX-only shapes.
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 50), (96, 33), (64, 7), (40, 5), (100, 33), (1536, 1), (32, 4)])
 def test_matches_fp32_reference(m, k, n):
     x, w = bf16(m, k, seed=1), bf16(n, k, seed=2)
     out = small_linear(x, w)
@@ -43,9 +45,9 @@ def test_bias_is_added_before_rounding():
 
 def test_rows_do_not_depend_on_the_batch():
     w = bf16(300, 576, seed=6)
-    xs = bf16(7, 576, seed=7)
-    alone = torch.cat([small_linear(xs[i:i + 1], w) for i in range(7)])
-    for m in range(1, 8):
+    xs = bf16(20, 576, seed=7)
+    alone = torch.cat([small_linear(xs[i:i + 1], w) for i in range(20)])
+    for m in range(1, 21):
         assert torch.equal(small_linear(xs[:m], w), alone[:m])
     with_threads = torch.get_num_threads()
     try:
