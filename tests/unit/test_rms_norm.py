@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.norm import GemmaRMSNorm, RMSNorm
+from engine.layers.norm import MAX_ROWS, GemmaRMSNorm, RMSNorm
 
 
 def make(cls, dim: int, dtype: torch.dtype, seed: int) -> RMSNorm:
@@ -41,7 +41,9 @@ def test_first_layer_has_no_residual():
     assert total is x and torch.equal(out, norm(x))
 
 
-def test_non_contiguous_inputs_take_the_torch_path():
+def test_views_and_prefill_sized_inputs_take_the_torch_path():
     norm = make(GemmaRMSNorm, 32, torch.float32, seed=0)
     x = rand(4, 3, 32, dtype=torch.float32, seed=4)[:, 1:]  # [T, H, D] views, as q/k norms see
     assert torch.equal(norm(x), norm._torch(x))
+    big = rand(MAX_ROWS + 1, 32, dtype=torch.float32, seed=5)
+    assert torch.equal(norm(big), norm._torch(big))
