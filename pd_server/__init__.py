@@ -8,6 +8,7 @@ Data flow of one request, in file order:
     dispatcher.py   the rank socket: Generate / Abort out, TokenBatch in, liveness
     ranks.py        the registry of ranks (loading / ready / dead, load, in-flight)
     chat.py, completions.py   handlers: stream SSE chunks (sse.py) or one response (responses.py)
+    sse_response.py the streaming response (pure ASGI; one send per stream per receive round)
     tool_parser.py  Hermes / bare JSON tool calls out of the text
     serving.py      what handlers share: ServerContext, collection, disconnect aborts, logprobs
     app.py          FastAPI routes and OpenAI-shaped errors (errors.py); metrics.py for /metrics
