@@ -77,9 +77,6 @@ def _call_deltas(calls: list[ParsedToolCall], first_index: int) -> list[ToolCall
             for j, k in enumerate(calls)]
 
 
-_MARK = "\x00pdserve-text\x00"  # stands in for a token's text in the event templates
-
-
 class _ChatStream:
     """Renders one chat request's events as SSE chunks (sse_response.StreamRenderer)."""
 
@@ -93,25 +90,18 @@ class _ChatStream:
         self.choices = [Choice() for _ in range(n)]
         # Fast path (content only: no tools, logprobs or token ids): a template per choice index.
         self.plain = self.parsers is None and not req.logprobs and not req.return_token_ids
-        self._templates: dict[int, tuple[bytes, bytes]] = {}
+        self.text_events = sse.TextEvents(
+            lambda idx, text: ChatChunk(rid, self.created, self.model, [ChatChunkChoice(idx, Delta(content=text))]))
 
     def head(self) -> bytes:
         return b""
-
-    def _template(self, idx: int) -> tuple[bytes, bytes]:
-        t = self._templates.get(idx)
-        if t is None:
-            chunk = ChatChunk(self.rid, self.created, self.model, [ChatChunkChoice(idx, Delta(content=_MARK))])
-            t = self._templates[idx] = sse.event_template(chunk, _MARK)
-        return t
 
     def fast(self, idx: int, ev: TokenEvent) -> bytes | None:
         """The event of a content-only token from its template; None off the fast path."""
         if not self.plain or not self.started[idx]:
             return None
         self.choices[idx].count(ev)
-        prefix, suffix = self._template(idx)
-        return prefix + sse.json_string(ev.text) + suffix
+        return self.text_events.event(idx, ev.text)
 
     def render(self, batch) -> bytes:
         out = []

@@ -63,9 +63,6 @@ def _echo(ctx: ServerContext, req: CompletionRequest, prompt: str | list[int]) -
     return prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt, skip_special_tokens=False)
 
 
-_MARK = "\x00pdserve-text\x00"  # stands in for a token's text in the event templates
-
-
 class _CompletionStream:
     """Renders one completions request's events as SSE chunks (sse_response.StreamRenderer)."""
 
@@ -76,7 +73,8 @@ class _CompletionStream:
         self.choices = [Choice() for _ in range(n)]
         self.offsets = [len(echoes[i // req.n]) if echoes else 0 for i in range(n)]
         self.plain = req.logprobs is None and not req.return_token_ids  # the template fast path
-        self._templates: dict[int, tuple[bytes, bytes]] = {}
+        self.text_events = sse.TextEvents(
+            lambda idx, text: Completion(rid, self.created, self.model, [CompletionChoice(idx, text, None)]))
 
     def _event(self, choices: list[CompletionChoice], **kw) -> bytes:
         return sse.event(Completion(self.rid, self.created, self.model, choices, **kw))
@@ -87,20 +85,12 @@ class _CompletionStream:
         return b"".join(self._event([CompletionChoice(i, self.echoes[i // self.req.n], None)])
                         for i in range(len(self.choices)))
 
-    def _template(self, idx: int) -> tuple[bytes, bytes]:
-        t = self._templates.get(idx)
-        if t is None:
-            t = self._templates[idx] = sse.event_template(
-                Completion(self.rid, self.created, self.model, [CompletionChoice(idx, _MARK, None)]), _MARK)
-        return t
-
     def fast(self, idx: int, ev: TokenEvent) -> bytes | None:
         """The event of a text-only token from its template; None off the fast path."""
         if not self.plain:
             return None
         self.choices[idx].count(ev)
-        prefix, suffix = self._template(idx)
-        return prefix + sse.json_string(ev.text) + suffix
+        return self.text_events.event(idx, ev.text)
 
     def render(self, batch) -> bytes:
         out = []

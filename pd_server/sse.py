@@ -8,7 +8,7 @@ client raises on it), followed by [DONE].
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 
 import msgspec
 
@@ -36,6 +36,24 @@ def event_template(payload: msgspec.Struct, marker: str) -> tuple[bytes, bytes]:
 
 
 json_string = _encode  # str -> its JSON string literal (bytes), as inside event()
+
+
+class TextEvents:
+    """The per-token fast path of one streamed request: a token's event from a cached
+    (prefix, suffix) template per choice index. `build(idx, text)` returns that choice's
+    event payload with `text` in its text field; it is called once per index."""
+
+    _MARK = "\x00pdserve-text\x00"  # stands in for the text while the template is made
+
+    def __init__(self, build: Callable[[int, str], msgspec.Struct]) -> None:
+        self._build = build
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
+
+    def event(self, idx: int, text: str) -> bytes:
+        t = self._templates.get(idx)
+        if t is None:
+            t = self._templates[idx] = event_template(self._build(idx, self._MARK), self._MARK)
+        return t[0] + json_string(text) + t[1]
 
 
 class SSEReader:

@@ -110,10 +110,6 @@ class _Rest:
                 return stop.value
 
 
-async def _finish(coro, first) -> None:
-    await _Rest(coro, first)
-
-
 class SSEStream(Response):
     """The ASGI response for one streamed request (steps above). `headers`: route headers.
     A Starlette Response only so that FastAPI passes it through; none of its machinery runs
@@ -154,7 +150,7 @@ class SSEStream(Response):
         except Exception as e:  # noqa: BLE001 - not the dispatcher's to handle: the stream task raises it
             self._error = e
             return False
-        self._busy = asyncio.ensure_future(_finish(coro, first))  # the client reads slowly: finish later
+        self._busy = asyncio.ensure_future(_Rest(coro, first))  # the client reads slowly: finish later
         return True
 
     async def _settle(self) -> None:

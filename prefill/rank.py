@@ -39,25 +39,11 @@ from collections import deque
 import msgspec
 
 from decode.peer_link import PeerMessage, PeerSockets
-from decode.rank import (
-    RankLoop,
-    hello_for,
-    load_engine,
-    make_transfer,
-    parse_rank_args,
-    serve,
-)
+from decode.rank import RankLoop, hello_for, load_engine, make_transfer, parse_rank_args, serve
 from decode.rank_link import RankLink
 from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.prefill_decode import (
-    Handoff,
-    PeerHello,
-    PeerReject,
-    PeerWelcome,
-    PrefillTimes,
-    Pulled,
-    PullFailed,
-)
+from pd_server.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes,
+                                               Pulled, PullFailed)
 from pd_server.protocol.rank_router import RequestError, TokenBatch
 from pd_server.protocol.router_rank import Abort, Generate, Peers
 from prefill.handoff_sender import HandoffSender

@@ -256,7 +256,8 @@ class TransferBackend(ABC):
     @abstractmethod
     def _prepare_read(self, handle: TransferHandle, remote: RegionDesc, src: list[int],
                       local: Region, dst: list[int]) -> Callable[[], None]:
-        """A job that copies the pages (`src`, `dst`: checked page ids, the job's own lists) and returns when they are in place (raises on failure).
+        """A job that copies the pages (`src`, `dst`: checked page ids, the job's own lists)
+        and returns when they are in place (raises on failure).
         It runs on the read thread or inline: it must not touch state the caller's thread
         mutates (take what it needs now)."""
 

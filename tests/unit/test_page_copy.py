@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from engine.layers.jit import check_compiler
-from hicache import page_copy
 from hicache.page_copy import copy_pages, torch_copy_pages
 
 KiB = 1024
