@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingBatch, apply_penalties
+from engine.sampler import Sampler, SamplingBatch, _inverse_cdf, apply_penalties
 from engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -124,7 +124,7 @@ def test_sampling_distribution_matches_softmax(seeded):
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.5])
     temperature = 0.8
     expected = (logits / temperature).softmax(-1) * n
-    if seeded:  # per-row generators must also give Exp(1) noise
+    if seeded:  # per-row generators must also give uniform draws
         params = [SamplingParams(temperature=temperature, seed=s) for s in range(n)]
     else:
         params = [SamplingParams(temperature=temperature)] * n
@@ -132,6 +132,13 @@ def test_sampling_distribution_matches_softmax(seeded):
     counts = torch.bincount(tokens, minlength=5).float()
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 18.47, (chi2, counts, expected)  # 99.9th percentile of chi-square, 4 dof
+
+
+def test_inverse_cdf_skips_zero_mass_and_falls_back_at_the_top():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)  # unnormalised rows are fine too
+    u = torch.tensor([[0.0], [0.49], [0.5], [1.0]])  # 1.0 stands for a target rounded past the end
+    assert _inverse_cdf(probs, u).tolist() == [1, 1, 3, 1]
+    assert _inverse_cdf(probs[:3] * 7, u[:3]).tolist() == [1, 1, 3]
 
 
 def test_logprobs_are_raw_log_softmax_with_sorted_top_ids():
