@@ -38,10 +38,11 @@ def aiperf_path() -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
-def _common(url: str, model: str, tokenizer: Path, artifact_dir: Path, concurrency: int) -> list[str]:
+def _common(url: str, model: str, tokenizer: Path, artifact_dir: Path, concurrency: int,
+            seed: int = 42) -> list[str]:
     return ["--model", model, "--url", url, "--tokenizer", str(tokenizer),
             "--endpoint", "/v1/chat/completions", "--endpoint-type", "chat", "--streaming",
-            "--concurrency", str(concurrency), "--random-seed", "42", "--artifact-dir", str(artifact_dir),
+            "--concurrency", str(concurrency), "--random-seed", str(seed), "--artifact-dir", str(artifact_dir),
             "--no-gpu-telemetry", "--ui", "none"]
 
 
@@ -55,13 +56,25 @@ def agentx_cmd(url: str, model: str, tokenizer: Path, trace_dir: Path, artifact_
 
 
 def synthetic_cmd(url: str, model: str, tokenizer: Path, artifact_dir: Path, concurrency: int,
-                  requests: int, isl: int = 512, osl: int = 128) -> list[str]:
+                  requests: int, isl: int = 512, osl: int = 128, tick_rate: float = 50.0,
+                  seed: int = 42) -> list[str]:
     """`aiperf profile` sending `requests` random `isl`-token prompts for exactly `osl` tokens
-    (after one warm-up request)."""
-    return [str(aiperf_path()), "profile", *_common(url, model, tokenizer, artifact_dir, concurrency),
+    (after one warm-up request).
+
+    NOTE: with --concurrency alone, aiperf 0.13's timing manager re-checks for a free slot in
+    a loop that only yields to its event loop: one core at 100% for the whole run (measured:
+    93% in `top`, py-spy: RequestRateStrategy.execute_phase), half of this 2-core machine taken
+    from the server under test. `tick_rate` > 0 adds `--request-rate tick_rate` (constant
+    arrivals) under the same concurrency cap: a freed slot is refilled at the next tick
+    (<= 1/tick_rate s later) and the loop sleeps between ticks. 0 keeps aiperf's burst mode.
+    The same `seed` gives the same prompts: runs that must not hit a server's prefix cache
+    with an earlier run's prompts need different seeds.
+    """
+    pacing = ["--request-rate", str(tick_rate), "--arrival-pattern", "constant"] if tick_rate > 0 else []
+    return [str(aiperf_path()), "profile", *_common(url, model, tokenizer, artifact_dir, concurrency, seed),
             "--isl", str(isl), "--isl-stddev", "0", "--osl", str(osl), "--osl-stddev", "0",
             "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
-            "--request-count", str(requests), "--warmup-request-count", "1"]
+            "--request-count", str(requests), "--warmup-request-count", "1", *pacing]
 
 
 def run(cmd: list[str], artifact_dir: Path, timeout_s: float) -> int:

@@ -1,12 +1,16 @@
 """Serving benchmark of any OpenAI-compatible server with aiperf's synthetic mode.
 
     .venv-bench/bin/python -m bench.agentx.serve_bench URL [--model NAME] [--tokenizer DIR]
-        [--concurrency "1 8 32"] [--requests-per-level N] [--isl 512] [--osl 128] [--out DIR]
+        [--concurrency "1 8 32"] [--requests-per-level N] [--isl 512] [--osl 128] [--tick-rate 50]
+        [--seed 42] [--out DIR]
     (scripts/bench_serve.sh sets up the client venv and runs this.)
 
 Per concurrency level, one aiperf run: random --isl-token prompts (no shared prefix), exactly
 --osl output tokens (ignore_eos), streamed chat completions, N requests (default: 2 x the
-level, at least 8, so every level ends), one warm-up request. The same client, workload and
+level, at least 8, so every level ends), one warm-up request. Each level has its own seed
+(--seed + level index), so no level replays an earlier level's prompts into a prefix cache,
+and aiperf is paced at --tick-rate under the concurrency cap (see aiperf_client.synthetic_cmd:
+unpaced, its scheduler spins a core). The same client, workload and
 settings for this system and a peer (e.g. vLLM's CPU build) make their rows comparable.
 Prints one table (concurrency, output tok/s, TTFT p50/p99, ITL p50/p99, requests, errors)
 and writes it with each level's aiperf artifacts into --out (summary.json: one entry a level,
@@ -71,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests-per-level", type=int, default=0, help="0: max(8, 2 x level)")
     ap.add_argument("--isl", type=int, default=512)
     ap.add_argument("--osl", type=int, default=128)
+    ap.add_argument("--tick-rate", type=float, default=50.0,
+                    help="aiperf --request-rate under the concurrency cap, so its scheduler sleeps "
+                         "instead of spinning a core (0: aiperf's burst mode)")
+    ap.add_argument("--seed", type=int, default=42,
+                    help="aiperf --random-seed of the first level; level i uses seed + i, so no level "
+                         "replays another's prompts (a rerun against a live server needs a new seed)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per level before aiperf is killed")
     ap.add_argument("--out", type=Path, default=None, help="default runs/bench-serve-<time>")
     ap.add_argument("--server-python", default=str(ROOT / ".venv" / "bin" / "python"),
@@ -83,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in a.concurrency.replace(",", " ").split()]
     rows: list[tuple[int, aiperf_client.Result | None]] = []
     summary = {"url": url, "model": model, "isl": a.isl, "osl": a.osl, "levels": []}
-    for c in levels:
+    for i, c in enumerate(levels):
         n = a.requests_per_level or max(8, 2 * c)
         art = out / f"c{c}"
-        cmd = aiperf_client.synthetic_cmd(url, model, tokenizer, art, c, n, a.isl, a.osl)
+        cmd = aiperf_client.synthetic_cmd(url, model, tokenizer, art, c, n, a.isl, a.osl, a.tick_rate,
+                                             a.seed + i)
         print(f"[bench_serve] concurrency {c}: {n} requests", file=sys.stderr, flush=True)
         rc = aiperf_client.run(cmd, art, timeout_s=a.timeout)
         result = None
