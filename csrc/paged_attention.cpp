@@ -41,6 +41,8 @@
 #include <limits>
 #include <vector>
 
+#include "cephes_exp.h"
+
 // 64-byte vectors passed between functions warn about an ABI change when the
 // target lacks AVX-512; every such function here is internal and inlined.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -176,15 +178,7 @@ inline float exp_nonpos(float x) {
   x = std::max(x, -87.f);
   // n = round(x / ln 2); std::floor would not vectorize without -fno-trapping-math.
   const float n = (x * 1.44269504088896341f + kRound) - kRound;
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  const float p = exp_reduced(x, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);

@@ -3,7 +3,7 @@
 `forward(x)` normalises; `add_norm(x, residual)` first adds the residual stream
 (rounded to the model dtype, as HF's `residual + x`) and returns (norm(sum), sum),
 so a decoder layer hands its residual to the next layer's input norm (vLLM's
-fused add-norm pattern). On the CPU, 2-D contiguous inputs of up to MAX_ROWS rows go to
+fused add-norm pattern). On the CPU, 2-D contiguous bf16 inputs (fp32: up to MAX_FP32_ROWS rows) go to
 `csrc/rms_norm.cpp` (torch.ops.pdserve.rms_norm: one call instead of about eight
 small ops); anything else (CUDA, the [T, H, D] views q/k norms see) runs the
 torch formulas below, which the kernel reproduces.
@@ -20,16 +20,20 @@ from engine.layers.jit import load_kernel
 
 @functools.cache
 def _load_ops() -> None:
-    load_kernel("engine.layers.norm", "rms_norm_cpu", ["rms_norm.cpp"], ("-O3", "-march=native", "-fopenmp"))
+    load_kernel("engine.layers.norm", "rms_norm_cpu", ["rms_norm.cpp"], ("-O3", "-march=native", "-fopenmp"),
+                headers=["include/bf16_vec.h"])
 
 
-# Rows up to which the kernel runs (decode steps). It is one scalar pass per row; for
-# prefill chunks torch's vectorised ops are faster (2048 rows: 2.3 vs ~1 ms here).
-MAX_ROWS = 64
+# fp32 rows up to which the kernel runs (decode steps): its fp32 path is one scalar pass
+# per row, slower than torch's vectorised ops for prefill chunks. bf16 rows are vectorised
+# and take the kernel at any count.
+MAX_FP32_ROWS = 64
 
 
 def _fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > MAX_ROWS or not x.is_contiguous():
+    if x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous():
+        return False
+    if x.dtype == torch.float32 and x.shape[0] > MAX_FP32_ROWS:
         return False
     if x.dtype != weight.dtype:
         return False

@@ -25,7 +25,8 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 @functools.cache
 def _load_ops() -> None:
     """Build (or find cached) and load the kernel into torch.ops.pdserve."""
-    load_kernel("engine.layers.paged_attention_op", "paged_attention_cpu", ["paged_attention.cpp"], _CFLAGS)
+    load_kernel("engine.layers.paged_attention_op", "paged_attention_cpu", ["paged_attention.cpp"], _CFLAGS,
+                headers=["include/cephes_exp.h"])
 
 
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,

@@ -6,12 +6,12 @@ layer is four matmuls. Weight names follow Hugging Face checkpoints.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
+from engine.layers.activation import act_and_mul
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
@@ -52,11 +52,10 @@ class GatedMLP(nn.Module):
         self.inter = inter
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
-        self.act = F.silu if act == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
+        self.gelu = act != "silu"  # config.py admits silu and gelu_pytorch_tanh only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.gelu))
 
 
 class LlamaDecoderLayer(nn.Module):

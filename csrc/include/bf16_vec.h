@@ -1,0 +1,71 @@
+// 16-lane fp32 vectors over bf16 data (GCC/Clang vector extensions, lowered to what
+// -march allows; AVX512-BF16 rounding where present). Natural element order.
+// Shared by activation.cpp and rms_norm.cpp.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <cstring>
+
+#pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vectors in inlined internal functions
+
+namespace pdserve {
+namespace vec {
+
+constexpr int64_t kLanes = 16;
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+inline f32x16 load_bf16(const c10::BFloat16* p) {  // 16 bf16 -> fp32 (exact)
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// fp32 rounded to the nearest even bf16 (NaN stays NaN), still as fp32 values.
+inline f32x16 round_bf16(f32x16 v) {
+#if defined(__AVX512BF16__)
+  const __m256bh h = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(v));
+  return reinterpret_cast<f32x16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16));
+#else
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  const u32x16 nan = (bits | 0x00400000u) & 0xFFFF0000u;
+  bits = (bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+#endif
+}
+
+inline void store_bf16(c10::BFloat16* p, f32x16 rounded) {  // rounded: a round_bf16 result
+  u32x16 bits;
+  std::memcpy(&bits, &rounded, sizeof bits);
+  const u16x16 h = __builtin_convertvector(bits >> 16, u16x16);
+  std::memcpy(p, &h, sizeof h);
+}
+
+inline float hsum(f32x16 v) {
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+}  // namespace vec
+}  // namespace pdserve
