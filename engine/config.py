@@ -178,7 +178,9 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page
     kv_cache_gb: float = 1.0  # memory for full-attention KV pages
     max_num_seqs: int = 64  # running sequences at most
-    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    # per-step token budget (chunked prefill); vLLM's online-serving default. A prompt over it is
+    # prefilled in chunks; each chunk step also runs the running decodes (their ITL grows with it).
+    max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # 0 -> the model's max_position, capped by the KV pool
     num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     # Host KV cache (hicache/): GiB of shared memory for pages and SWA states; 0 disables it.
