@@ -1,12 +1,16 @@
 """Engine benchmark: prefill and decode throughput next to HF transformers `generate`, same run.
 
     .venv/bin/python bench/bench_engine.py [--models smollm2-135m-instruct gemma-3-270m] [--dtype bfloat16]
+        [--reps 3] [--rounds 1]
 
 Each side runs in its own subprocess (so peak RSS is its own) on the same cached
 weights and dtype. Prompts are random token ids of fixed length (no padding
 for HF batches). Decode tok/s = (tokens after the first) / (time after the
 first token); prefill tok/s = prompt tokens / time to the first token. Medians
-over --reps runs. Prints one markdown table per model.
+over --reps runs. With --rounds N both sides run N times, alternating which goes first, and
+the ratio column is the median of the N per-round ratios: on a shared VM the machine's speed
+drifts by tens of percent within minutes, which one side-after-the-other run reads as a
+speed-up or a slow-down. Prints one markdown table per model.
 """
 from __future__ import annotations
 
@@ -112,15 +116,29 @@ def _child(side: str, args) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _table(model: str, dtype: str, ours: dict, hf: dict) -> str:
-    rows = [f"### {model} ({dtype})", "", "| metric | pdserve | HF transformers | ratio |", "|---|---:|---:|---:|"]
+def _rounds(sub, rounds: int) -> tuple[dict, dict, dict]:
+    """Both sides `rounds` times, alternating which goes first (the machine's speed drifts on a
+    shared VM): medians per side, and the median of each round's pdserve / HF ratio."""
+    got = []
+    for r in range(rounds):
+        order = ("engine", "hf") if r % 2 == 0 else ("hf", "engine")
+        got.append({side: _child(side, sub) for side in order})
+    ours = {k: statistics.median(g["engine"][k] for g in got) for k in got[0]["engine"]}
+    hf = {k: statistics.median(g["hf"][k] for g in got) for k in got[0]["hf"]}
+    ratio = {k: statistics.median(g["engine"][k] / g["hf"][k] for g in got) for k in hf if k in ours}
+    return ours, hf, ratio
+
+
+def _table(model: str, dtype: str, ours: dict, hf: dict, ratio: dict, rounds: int) -> str:
+    rows = [f"### {model} ({dtype}, {rounds} round(s))", "",
+            "| metric | pdserve | HF transformers | ratio |", "|---|---:|---:|---:|"]
     for length in PREFILL_LENS:
         k = f"prefill_{length}"
-        rows.append(f"| prefill tok/s, prompt {length} | {ours[k]:.0f} | {hf[k]:.0f} | {ours[k] / hf[k]:.2f}x |")
+        rows.append(f"| prefill tok/s, prompt {length} | {ours[k]:.0f} | {hf[k]:.0f} | {ratio[k]:.2f}x |")
     for b in DECODE_BATCHES:
         k = f"decode_{b}"
         h = hf.get(k)
-        rows.append(f"| decode tok/s, batch {b} | {ours[k]:.1f} | {h:.1f} | {ours[k] / h:.2f}x |" if h else
+        rows.append(f"| decode tok/s, batch {b} | {ours[k]:.1f} | {h:.1f} | {ratio[k]:.2f}x |" if h else
                     f"| decode tok/s, batch {b} | {ours[k]:.1f} | - | - |")
     for b in (1, 8):
         rows.append(f"| TPOT ms, batch {b} | {1000 * b / ours[f'decode_{b}']:.1f} | "
@@ -137,6 +155,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run both sides this many times, alternating which goes first; the ratio "
+                         "column is the median of the per-round ratios")
     ap.add_argument("--child", choices=["engine", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -145,8 +166,8 @@ def main() -> None:
         return
     for model in args.models:
         sub = argparse.Namespace(**{**vars(args), "models": [model]})
-        ours, hf = _child("engine", sub), _child("hf", sub)
-        print(_table(model, args.dtype, ours, hf), "\n", flush=True)
+        ours, hf, ratio = _rounds(sub, max(1, args.rounds))
+        print(_table(model, args.dtype, ours, hf, ratio, max(1, args.rounds)), "\n", flush=True)
 
 
 if __name__ == "__main__":
