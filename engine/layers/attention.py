@@ -1,6 +1,8 @@
 """Paged attention over the KV pool, driven by a ForwardBatch (see engine/forward_batch.py)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -70,11 +72,14 @@ class PagedAttention(torch.nn.Module):
             ring[slot, 0, idx] = k[tok]
             ring[slot, 1, idx] = v[tok]
             out[:b] = paged_decode_attention(q[:b].contiguous(), ring, fb.dec_slots, fb.dec_swa_ctx, self.scale)
+        w = ring.shape[2]
         for p in fb.prefills:
             s, n = p.start, p.length
             if p.swa_mask is None:  # a first chunk within the window: causal over its own keys
                 kk, vv = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)  # [KVH, n, D]
                 o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, None, self.scale, causal=True)
+            elif p.mask is None:  # a first chunk longer than the window: nothing in the ring yet
+                o = self._first_chunk_blocked(q[s:s + n], k[s:s + n], v[s:s + n], w)
             else:
                 old = ring[p.swa_slot]  # [2, W, KVH, D]
                 kk = torch.cat([old[0], k[s:s + n]]).transpose(0, 1)  # [KVH, W+n, D]
@@ -87,3 +92,32 @@ class PagedAttention(torch.nn.Module):
             ring[slot, 0, idx] = k[tok]
             ring[slot, 1, idx] = v[tok]
         return out
+
+    def _first_chunk_blocked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int) -> torch.Tensor:
+        """Sliding-window attention of a sequence's first n > w tokens: [n, H, D] -> [H, n, D].
+
+        Queries in blocks of w: block b sees keys [(b - 1) w, (b + 1) w) at most, so each SDPA
+        call is [w, 2w] with one shared mask, where the single-mask form costs [n, w + n] (at
+        n = 2048, w = 512: 2.6x the work, all but w keys per row masked out).
+        """
+        n = q.shape[0]
+        qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, n, D]
+        out = torch.empty_like(qt)
+        out[:, :w] = _sdpa(qt[:, :w], kt[:, :w], vt[:, :w], None, self.scale, causal=True)
+        band = _band_mask(w, q.dtype, q.device)  # [1, 1, w, 2w]: query i sees keys (i, i + w]
+        for b0 in range(w, n, w):
+            nq = min(w, n - b0)
+            lo = b0 - w
+            out[:, b0:b0 + nq] = _sdpa(qt[:, b0:b0 + nq], kt[:, lo:b0 + nq], vt[:, lo:b0 + nq],
+                                       band[..., :nq, :nq + w], self.scale)
+        return out
+
+
+@functools.cache
+def _band_mask(w: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive [1, 1, w, 2w]: row i (query at block offset i) sees columns i + 1 .. i + w, the
+    keys at offsets (i - w, i] relative to the block's first query."""
+    i = torch.arange(w).unsqueeze(1)
+    j = torch.arange(2 * w).unsqueeze(0)
+    visible = (j > i) & (j <= i + w)
+    return torch.zeros(w, 2 * w, dtype=dtype).masked_fill_(~visible, float("-inf"))[None, None].to(device)
