@@ -25,7 +25,10 @@ from tests.e2e.conftest import start_system, stop_system
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
+# --max-num-batched-tokens 512: the 700- and 1400-token prompts below take several prefill steps
+# (chunked prefill across the handoff; aborts and kills that land between steps).
 COMMON = ["--model", MODEL, "--kv-cache-gb", "0.25", "--num-threads", "1", "--max-num-seqs", "16",
+          "--max-num-batched-tokens", "512",
           "--handoff-pool-gb", "0.1"]
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
