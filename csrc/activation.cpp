@@ -57,10 +57,12 @@ inline f32x16 gelu_tanh16(f32x16 g) {
   return g / (1.f + exp16(-2.f * y));
 }
 
+// Scalar forms for the last I % 16 columns: the same formulas as the vector ones.
 inline float silu1(float g) { return g / (1.f + std::exp(-g)); }
 
 inline float gelu_tanh1(float g) {
-  return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+  const float y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  return g / (1.f + std::exp(-2.f * y));
 }
 
 template <bool kGelu>

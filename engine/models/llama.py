@@ -49,7 +49,6 @@ class LlamaAttention(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, act: str) -> None:
         super().__init__()
-        self.inter = inter
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
         self.gelu = act != "silu"  # config.py admits silu and gelu_pytorch_tanh only
