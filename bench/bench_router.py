@@ -132,23 +132,14 @@ def run_streams_asyncio(port: int, streams: int, max_tokens: int, warmup_s: floa
     return asyncio.run(run())
 
 
-def run_streams(port: int, streams: int, max_tokens: int, warmup_s: float = 0.0):
-    """(tokens received, seconds, steady-state latencies): every stream on one epoll loop, no
-    coroutines (a readable socket costs one recv and a regex scan)."""
-    lat: list[float] = []
-    t0 = time.perf_counter()
-    steady = time.time() + warmup_s
-    sel, req, n = selectors.DefaultSelector(), _request(max_tokens), 0
-    for _ in range(streams):
-        s = socket.create_connection(("127.0.0.1", port))
-        s.sendall(req)
-        s.setblocking(False)
-        sel.register(s, selectors.EVENT_READ, [b""])
+def _drain(sel: selectors.BaseSelector, steady: float, lat: list[float], silent: str) -> int:
+    """Read every registered socket (key.data = [unparsed bytes]) until all close; token count."""
+    n = 0
     try:
         while sel.get_map():
             ready = sel.select(timeout=60)
             if not ready:
-                raise RuntimeError("no data from the router for 60 s")
+                raise RuntimeError(f"{silent} for 60 s")
             for key, _ in ready:
                 data = key.fileobj.recv(1 << 16)
                 now = time.time()
@@ -162,6 +153,22 @@ def run_streams(port: int, streams: int, max_tokens: int, warmup_s: float = 0.0)
         for key in list(sel.get_map().values()):
             key.fileobj.close()
         sel.close()
+    return n
+
+
+def run_streams(port: int, streams: int, max_tokens: int, warmup_s: float = 0.0):
+    """(tokens received, seconds, steady-state latencies): every stream on one epoll loop, no
+    coroutines (a readable socket costs one recv and a regex scan)."""
+    lat: list[float] = []
+    t0 = time.perf_counter()
+    steady = time.time() + warmup_s
+    sel, req = selectors.DefaultSelector(), _request(max_tokens)
+    for _ in range(streams):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(req)
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ, [b""])
+    n = _drain(sel, steady, lat, "no data from the router")
     return n, time.perf_counter() - t0, lat
 
 
@@ -208,6 +215,50 @@ def direct_reference(streams: int, max_tokens: int, step_ms: float = 0.0, warmup
         ctx.term()
 
 
+_FLOOR_WRITER = r"""
+import socket, sys, time
+port, streams, steps, step_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+for s in socks:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+pad = b"x" * 96  # about one streamed token's SSE chunk, chunked framing included
+t_next = time.time()
+for _ in range(steps):
+    ts = b"%.6f" % time.time()
+    body = b'data: {"text":"' + ts + b' ","pad":"' + pad + b'"}\n\n'
+    chunk = b"%x\r\n" % len(body) + body + b"\r\n"
+    for s in socks:
+        s.send(chunk)
+    t_next += step_s
+    time.sleep(max(0.0, t_next - time.time()))
+for s in socks:
+    s.close()
+"""
+
+
+def floor_reference(streams: int, steps: int, step_ms: float, warmup_s: float) -> list[float]:
+    """Steady-state per-token latencies of the cheapest fan-out Python can do: a process that,
+    every step, writes one token-sized chunk (stamped once per step) to each of `streams`
+    loopback TCP sockets with plain send() calls, read by the same epoll client. No HTTP, no
+    JSON, no rank: the floor that one thread's per-socket syscalls set on this machine."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(streams)
+    proc = subprocess.Popen([sys.executable, "-c", _FLOOR_WRITER, str(srv.getsockname()[1]), str(streams),
+                             str(steps), str(step_ms / 1000)])
+    sel, lat, steady = selectors.DefaultSelector(), [], time.time() + warmup_s
+    try:
+        for _ in range(streams):
+            conn, _ = srv.accept()
+            conn.setblocking(False)
+            sel.register(conn, selectors.EVENT_READ, [b""])
+        _drain(sel, steady, lat, "floor writer silent")
+    finally:
+        srv.close()
+        proc.wait(timeout=30)
+    return lat
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -233,8 +284,10 @@ def main() -> None:
     for s in args.streams:
         tok_s, _ = direct_reference(s, per_stream(s))
         _, lat = direct_reference(s, paced_tokens, args.step_ms, warmup_s=1.0)
+        floor = floor_reference(s, paced_tokens, args.step_ms, warmup_s=1.0)
         rows.append({"streams": s, "direct": tok_s, "direct_p50": pct(lat, 0.5) * 1e3,
-                     "direct_p99": pct(lat, 0.99) * 1e3})
+                     "direct_p99": pct(lat, 0.99) * 1e3, "floor_p50": pct(floor, 0.5) * 1e3,
+                     "floor_p99": pct(floor, 0.99) * 1e3})
     port = free_port()
     proc = start_router(port, 0.0)
     try:
@@ -258,16 +311,19 @@ def main() -> None:
 
     print(f"\nrouter overhead (fake ranks; {os.cpu_count()} cores shared by router, fake rank and clients; "
           f"{args.client} client)")
-    print(f"{'':>8} {'max tok/s':^27} | {'paced: one token per stream every %g ms (latency in ms)' % args.step_ms:^79}")
+    print(f"{'':>8} {'max tok/s':^27} | {'paced: one token per stream every %g ms (latency in ms)' % args.step_ms:^98}")
     print(f"{'streams':>8} {'direct':>13} {'router':>13} | {'tok/s':>8} {'direct p50':>10} {'p99':>7} "
-          f"{'router p50':>11} {'p99':>7} {'added p50':>10} {'p99':>7} {'cpu us/tok':>10}")
+          f"{'router p50':>11} {'p99':>7} {'added p50':>10} {'p99':>7} {'floor p50':>10} {'p99':>7} {'cpu us/tok':>10}")
     for r in rows:
         print(f"{r['streams']:>8} {r['direct']:>13,.0f} {r['tok_s']:>13,.0f} | {r['paced_tok_s']:>8,.0f} "
               f"{r['direct_p50']:>10.2f} {r['direct_p99']:>7.2f} {r['p50_ms']:>11.2f} {r['p99_ms']:>7.2f} "
-              f"{r['p50_ms'] - r['direct_p50']:>10.2f} {r['p99_ms'] - r['direct_p99']:>7.2f} {r['cpu_us']:>10.1f}")
+              f"{r['p50_ms'] - r['direct_p50']:>10.2f} {r['p99_ms'] - r['direct_p99']:>7.2f} "
+              f"{r['floor_p50']:>10.2f} {r['floor_p99']:>7.2f} {r['cpu_us']:>10.1f}")
     print("direct (same-run reference): the fake rank read over ZeroMQ by this script, no router, no HTTP.\n"
           "router: through pd_server (rank socket -> SSE -> HTTP -> client).\n"
           "added: router minus direct at the same percentile (what the router and the HTTP client add).\n"
+          "floor: one process send()s a token-sized chunk to every stream's loopback socket each step (no HTTP,\n"
+          "  no JSON, no rank), same client: the latency one thread's per-socket syscalls alone set here.\n"
           "cpu us/tok: the router process's CPU time per streamed token, request handling and idle work "
           "(heartbeats,\n  stats: most of it at 1 stream) included; x streams ~ the time one step's fan-out "
           "takes on an idle core.\n"

@@ -274,9 +274,7 @@ class Dispatcher:
             inbox.flush()
 
     def _observe_itl(self, samples: list[float]) -> None:
-        observe = self.metrics.itl.observe
-        for s in samples:
-            observe(s)
+        self.metrics.itl.observe_all(samples)
 
     def _deliver(self, p: Pending, ev: TokenEvent, now: float, itl: list[float]) -> None:
         """Put one event on its request's inbox; inter-token gaps go to `itl` (observed later)."""

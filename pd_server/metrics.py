@@ -16,13 +16,37 @@ _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 
 
 class TokenHistogram(Histogram):
-    """A label-less Histogram whose observe() finds its bucket by bisection: it runs once per
-    streamed token (inter-token latency), where prometheus_client's linear scan over the
-    bounds was ~9% of the router's CPU at 256 streams. Same buckets, same exposition."""
+    """A label-less Histogram for per-token observations (inter-token latency), same buckets and
+    exposition as prometheus_client's. observe() runs once per streamed token on the router's hot
+    path, so it only counts into plain lists (bucket found by bisection, where prometheus_client
+    scans linearly); the counts move into prometheus_client's locked values when the metric is
+    collected. The router observes and serves /metrics on one event-loop thread, so no lock is
+    needed in between (at 256 streams the locked increments were ~7% of the router's CPU)."""
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._pending = [0] * len(self._upper_bounds)
+        self._pending_sum = 0.0
 
     def observe(self, amount: float, exemplar=None) -> None:
-        self._sum.inc(amount)
-        self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
+        self._pending_sum += amount
+        self._pending[bisect_left(self._upper_bounds, amount)] += 1
+
+    def observe_all(self, amounts: list[float]) -> None:
+        pending, bounds = self._pending, self._upper_bounds
+        for a in amounts:
+            pending[bisect_left(bounds, a)] += 1
+        self._pending_sum += sum(amounts)
+
+    def _child_samples(self):
+        pending, self._pending = self._pending, [0] * len(self._upper_bounds)
+        for bucket, n in zip(self._buckets, pending):
+            if n:
+                bucket.inc(n)
+        if self._pending_sum:
+            self._sum.inc(self._pending_sum)
+            self._pending_sum = 0.0
+        return super()._child_samples()
 
 
 class RouterMetrics:

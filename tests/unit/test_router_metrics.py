@@ -23,3 +23,26 @@ def test_token_histogram_matches_prometheus_histogram():
 
     assert samples(reg_a) == samples(reg_b)
     assert any('le="0.001"' in ln for ln in samples(reg_a))
+
+
+def test_token_histogram_batches_and_repeated_collections_match_prometheus_histogram():
+    reg_a, reg_b = CollectorRegistry(), CollectorRegistry()
+    fast = TokenHistogram("x_seconds", "h", buckets=_ITL, registry=reg_a)
+    ref = Histogram("x_seconds", "h", buckets=_ITL, registry=reg_b)
+    rng = random.Random(1)
+
+    def samples(reg):
+        return [ln for ln in generate_latest(reg).decode().splitlines() if "_created" not in ln]
+
+    def split(lines):  # the sum is added batch by batch: equal up to float rounding order
+        rest = [ln for ln in lines if not ln.startswith("x_seconds_sum")]
+        return rest, float(next(ln for ln in lines if ln.startswith("x_seconds_sum")).split()[1])
+
+    for _ in range(3):  # observations between collections add up; a collection loses none
+        batch = [rng.uniform(0, 0.2) for _ in range(500)] + [rng.choice(_ITL)]
+        fast.observe_all(batch)
+        for v in batch:
+            ref.observe(v)
+        for _ in range(2):
+            (a, sa), (b, sb) = split(samples(reg_a)), split(samples(reg_b))
+            assert a == b and abs(sa - sb) < 1e-9 * sb
