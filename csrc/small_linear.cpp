@@ -31,12 +31,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "amx_tiles.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -141,28 +140,9 @@ constexpr int64_t kTileN = 16;  // W rows per A tile
 constexpr int64_t kTileM = 16;  // x rows per B tile
 constexpr int64_t kTilesN = 4;  // C tiles (W row blocks) per pass
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using amx::load_tile_config;
 
-bool amx_permitted() {
-  // Linux hands out AMX state per process on request (XFEATURE_XTILEDATA = 18).
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
-  return ok;
-}
-
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 6; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+inline bool amx_permitted() { return amx::permitted(); }
 
 // xp[kc][kp][m][j] = x[m0 + m][32 kc + 2 kp + j], zero for m >= M - m0.
 void pack_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t m0, uint16_t* xp) {

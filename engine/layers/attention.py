@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.layers.paged_attention_op import paged_decode_attention
+from engine.layers.prefill_attention_op import prefill_attention
+from engine.layers.prefill_attention_op import usable as prefill_kernel_usable
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, causal: bool = False):
@@ -50,8 +52,18 @@ class PagedAttention(torch.nn.Module):
         b = fb.num_decode
         if b:  # one query per sequence: the C++ kernel reads the pages in place
             out[:b] = paged_decode_attention(q[:b].contiguous(), layer, fb.dec_pages, fb.dec_ctx, self.scale)
+        fused = bool(fb.prefills) and prefill_kernel_usable(q)
         for p in fb.prefills:
             s, n = p.start, p.length
+            if fused:  # the AMX kernel: causal from the chunk's offset in its context, no mask
+                if p.mask is None:
+                    kk, vv = k[s:s + n], v[s:s + n]  # [n, KVH, D]
+                else:
+                    g = layer[p.pages]  # [np, 2, ps, KVH, D]
+                    kk = g[:, 0].reshape(-1, *g.shape[-2:])[:p.mask.shape[-1]]  # [ctx, KVH, D]
+                    vv = g[:, 1].reshape(-1, *g.shape[-2:])[:p.mask.shape[-1]]
+                out[s:s + n] = prefill_attention(q[s:s + n], kk, vv, self.scale)
+                continue
             if p.mask is None:  # no earlier context: the step's own K/V are the whole context
                 kk, vv = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)  # [KVH, n, D]
             else:

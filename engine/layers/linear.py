@@ -32,7 +32,7 @@ def small_linear_available() -> bool:
     """True when the kernel is built and this CPU runs it (cached per process)."""
     if os.environ.get("PDSERVE_SMALL_LINEAR", "1") == "0":
         return False
-    load_kernel("engine.layers.linear", "small_linear_cpu", ["small_linear.cpp"], _CFLAGS)
+    load_kernel("engine.layers.linear", "small_linear_cpu", ["small_linear.cpp"], _CFLAGS, headers=["include/amx_tiles.h"])
     return bool(torch.ops.pdserve.small_linear_supported())
 
 

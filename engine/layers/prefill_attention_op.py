@@ -1,0 +1,41 @@
+"""Causal attention of a prefill chunk on the CPU's tile unit (`csrc/prefill_attention.cpp`).
+
+torch's fused CPU SDPA reached ~100 GFLOP/s on one core for a 530-token bf16 prefill of
+SmolLM2 (a quarter of the prefill's time); the kernel runs both products as AMX tile
+products and the softmax lane-wise over keys. It takes q/k/v in the layout the projections
+produce ([tokens, heads, D], any token stride), so no transposes or head repeats are made.
+bf16 on a CPU with AMX only; anything else (fp32 parity runs, CUDA, other CPUs) keeps SDPA.
+Set PDSERVE_PREFILL_ATTN=0 to force SDPA (for comparison).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from engine.layers.jit import load_kernel
+
+
+@functools.cache
+def prefill_attention_available() -> bool:
+    """True when the kernel is built and this CPU runs it (cached per process)."""
+    if os.environ.get("PDSERVE_PREFILL_ATTN", "1") == "0":
+        return False
+    load_kernel("engine.layers.prefill_attention_op", "prefill_attention_cpu", ["prefill_attention.cpp"],
+                ("-O3", "-march=native", "-fopenmp"), headers=["include/amx_tiles.h", "include/bf16_vec.h", "include/cephes_exp.h"])
+    return bool(torch.ops.pdserve.prefill_attention_supported())
+
+
+def usable(q: torch.Tensor) -> bool:
+    """Whether `q` (and its k/v) can take the kernel: bf16 on the CPU, head dim a multiple of 32, <= 256."""
+    d = q.shape[-1]
+    return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and d % 32 == 0 and d <= 256
+            and prefill_attention_available())
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, D], k/v [L, KVH, D] (bf16, each token's heads contiguous; L >= n) -> [n, H, D]:
+    softmax(scale * q k^T) v with query i seeing keys 0 .. L - n + i (the chunk's keys are the
+    last n). Accumulates in fp32. Mutates nothing. Raises RuntimeError on bad shapes or layouts."""
+    return torch.ops.pdserve.prefill_attention(q, k, v, scale)
