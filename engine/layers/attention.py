@@ -85,9 +85,13 @@ class PagedAttention(torch.nn.Module):
             ring[slot, 1, idx] = v[tok]
             out[:b] = paged_decode_attention(q[:b].contiguous(), ring, fb.dec_slots, fb.dec_swa_ctx, self.scale)
         w = ring.shape[2]
+        fused = bool(fb.prefills) and prefill_kernel_usable(q)
         for p in fb.prefills:
             s, n = p.start, p.length
             if p.swa_mask is None:  # a first chunk within the window: causal over its own keys
+                if fused:
+                    out[s:s + n] = prefill_attention(q[s:s + n], k[s:s + n], v[s:s + n], self.scale)
+                    continue
                 kk, vv = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)  # [KVH, n, D]
                 o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, None, self.scale, causal=True)
             elif p.mask is None:  # a first chunk longer than the window: nothing in the ring yet

