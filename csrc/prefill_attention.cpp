@@ -12,8 +12,9 @@
 // sum of each query are lane-wise operations over key rows, with no horizontal reductions.
 //
 // Per kv head g: K is packed as A tiles (16 keys x 32 d), V transposed as A tiles (16 d x 32
-// keys), zero past L. Per (head, block of 16 queries): Q packed as VNNI B tiles; then for each
-// step of 32 keys up to the block's last query:
+// keys), zero past L. Per (kv head, block of 16 queries): Q of each of the group's heads packed
+// as VNNI B tiles; then for each step of 32 keys up to the block's last query, for each head
+// of the group in turn (the step's K/V tiles come from memory once, then from L1):
 //   1. S^T [32 keys][16 q] = K Q^T: 2 C tiles, D / 32 TDPBF16PS each;
 //   2. scale, causal mask, new running max m, p = exp(s - m), l = l * alpha + sum p, with
 //      alpha = exp(m_old - m) (16 lanes = 16 queries);
@@ -85,113 +86,133 @@ void pack_kv(const Args& a, int64_t g, int64_t steps, uint16_t* kt, uint16_t* vt
     }
 }
 
-// One head h, queries r0 .. r0 + 15 (rows past n are zero and discarded).
-void block(const Args& a, int64_t h, int64_t r0, int64_t steps_all, const uint16_t* kt, const uint16_t* vt,
-           uint16_t* qp, float* ot, float* s) {
+// Per-head state of one block of 16 queries.
+struct HeadState {
+  uint16_t* qp;  // Q as VNNI B tiles: [D / 32][kp 16][q 16][2]
+  float* ot;     // O^T [D][16 q], fp32
+  __m512 m, l;   // running max (raw scores) and denominator, lane = query
+};
+
+// The heads h0 .. h0 + G - 1 of one kv head (a GQA group), queries r0 .. r0 + 15 (rows past n
+// are zero and discarded). The group's heads take each 32-key step in turn, so the step's K/V
+// tiles are read from memory once and from L1 by the other heads.
+void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, const uint16_t* kt,
+           const uint16_t* vt, HeadState* hs, float* s) {
   const int64_t D = a.D, dcs = D / 32, dbs = D / 16, offset = a.L - a.n;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // Q as VNNI B tiles: qp[dc][kp][q][e] = Q[r0 + q][h][32 dc + 2 kp + e]; as 32-bit pairs that is
   // qp32[dc][kp][q] = Q32[q][16 dc + kp]: each 64-byte row chunk scatters to a column.
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(16));
-  for (int64_t q = 0; q < 16; ++q) {
-    const bool real = r0 + q < a.n;
-    const uint16_t* src = a.q + (r0 + q) * a.q_tok + h * D;
-    for (int64_t dc = 0; dc < dcs; ++dc) {
-      const __m512i row = real ? _mm512_loadu_si512(src + dc * 32) : _mm512_setzero_si512();
-      _mm512_i32scatter_epi32(qp + dc * 512 + q * 2, column, row, 4);
+  for (int64_t hi = 0; hi < G; ++hi) {
+    for (int64_t q = 0; q < 16; ++q) {
+      const bool real = r0 + q < a.n;
+      const uint16_t* src = a.q + (r0 + q) * a.q_tok + (h0 + hi) * D;
+      for (int64_t dc = 0; dc < dcs; ++dc) {
+        const __m512i row = real ? _mm512_loadu_si512(src + dc * 32) : _mm512_setzero_si512();
+        _mm512_i32scatter_epi32(hs[hi].qp + dc * 512 + q * 2, column, row, 4);
+      }
     }
+    std::memset(hs[hi].ot, 0, sizeof(float) * D * 16);
+    hs[hi].m = neg_inf;
+    hs[hi].l = _mm512_setzero_ps();
   }
-  std::memset(ot, 0, sizeof(float) * D * 16);
   const int64_t last_key = std::min(a.L - 1, offset + r0 + 15);  // the block's last query's last key
   const int64_t steps = std::min(steps_all, last_key / 32 + 1);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // Query q's last key: min(offset + r0 + q, L - 1).
   const __m512i limit = _mm512_min_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32((int)(offset + r0))),
                                          _mm512_set1_epi32((int)(a.L - 1)));
-  const __m512 scale = _mm512_set1_ps(a.scale), neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale = _mm512_set1_ps(a.scale);
   alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(kInterleave);
-  __m512 m = neg_inf, l = _mm512_setzero_ps();
   alignas(64) uint16_t pt[512];  // P^T as a VNNI B tile: pt[kp][q][e] = P[q][2 kp + e]
-  // 1. S^T for keys 32 st .. 32 st + 31 into tiles 0, 1. Issued one step ahead: the tile unit
-  // computes step st + 1's scores while the vector units run step st's softmax.
-  auto scores = [&](int64_t st) {
+  // 1. S^T of head hi for keys 32 st .. 32 st + 31 into tiles 0, 1. Issued one item ahead: the
+  // tile unit computes the next (step, head)'s scores while the vector units run this softmax.
+  auto scores = [&](int64_t st, int64_t hi) {
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t dc = 0; dc < dcs; ++dc) {
-      _tile_loadd(5, qp + dc * 512, 64);
+      _tile_loadd(5, hs[hi].qp + dc * 512, 64);
       _tile_loadd(4, kt + ((2 * st) * dcs + dc) * 512, 64);
       _tile_dpbf16ps(0, 4, 5);
       _tile_loadd(6, kt + ((2 * st + 1) * dcs + dc) * 512, 64);
       _tile_dpbf16ps(1, 6, 5);
     }
   };
-  scores(0);
+  scores(0, 0);
   for (int64_t st = 0; st < steps; ++st) {
-    _tile_stored(0, s, 64);
-    _tile_stored(1, s + 256, 64);
-    if (st + 1 < steps) scores(st + 1);
-    // 2. Online softmax, lane = query.
     const bool edge = 32 * st + 31 > offset + r0 || 32 * st + 31 >= a.L;  // some key past some query's limit
-    // Raw scores; the scale (> 0) is applied inside the exponent: exp(scale * s - scale * max).
-    // Four running maxima: one chain of 32 dependent maxes would take ~130 cycles.
-    __m512 mx4[4] = {m, m, m, m};
-    if (edge) {
-      for (int64_t j = 0; j < 32; ++j) {
-        const __mmask16 ok = _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(32 * st + j)), limit, _MM_CMPINT_LE);
-        const __m512 x = _mm512_mask_blend_ps(ok, neg_inf, _mm512_load_ps(s + j * 16));
-        _mm512_store_ps(s + j * 16, x);
-        mx4[j & 3] = _mm512_max_ps(mx4[j & 3], x);
+    for (int64_t hi = 0; hi < G; ++hi) {
+      HeadState& h = hs[hi];
+      _tile_stored(0, s, 64);
+      _tile_stored(1, s + 256, 64);
+      if (hi + 1 < G) scores(st, hi + 1);
+      else if (st + 1 < steps) scores(st + 1, 0);
+      // 2. Online softmax, lane = query. Raw scores; the scale (> 0) is applied inside the
+      // exponent: exp(scale * s - scale * max). Four running maxima: one chain of 32 dependent
+      // maxes would take ~130 cycles.
+      __m512 mx4[4] = {h.m, h.m, h.m, h.m};
+      if (edge) {
+        for (int64_t j = 0; j < 32; ++j) {
+          const __mmask16 ok = _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(32 * st + j)), limit, _MM_CMPINT_LE);
+          const __m512 x = _mm512_mask_blend_ps(ok, neg_inf, _mm512_load_ps(s + j * 16));
+          _mm512_store_ps(s + j * 16, x);
+          mx4[j & 3] = _mm512_max_ps(mx4[j & 3], x);
+        }
+      } else {
+        for (int64_t j = 0; j < 32; ++j) mx4[j & 3] = _mm512_max_ps(mx4[j & 3], _mm512_load_ps(s + j * 16));
       }
-    } else {
-      for (int64_t j = 0; j < 32; ++j) mx4[j & 3] = _mm512_max_ps(mx4[j & 3], _mm512_load_ps(s + j * 16));
-    }
-    const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
-    const __m512 alpha = exp16(_mm512_mul_ps(_mm512_sub_ps(m, mx), scale));  // m = -inf at the first step: ~0
-    m = mx;
-    const __m512 mxs = _mm512_mul_ps(mx, scale);
-    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < 16; ++kp) {
-      const __m512 x0 = _mm512_load_ps(s + (2 * kp) * 16), x1 = _mm512_load_ps(s + (2 * kp + 1) * 16);
-      __m512 p0 = exp16(_mm512_fmsub_ps(x0, scale, mxs)), p1 = exp16(_mm512_fmsub_ps(x1, scale, mxs));
-      if (edge) {  // a masked key (x = -inf) gets exactly 0, not exp16's ~1e-38
-        p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, neg_inf, _CMP_NEQ_OQ), p0);
-        p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1, neg_inf, _CMP_NEQ_OQ), p1);
+      const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
+      const __m512 alpha = exp16(_mm512_mul_ps(_mm512_sub_ps(h.m, mx), scale));  // m = -inf at the first step: ~0
+      h.m = mx;
+      const __m512 mxs = _mm512_mul_ps(mx, scale);
+      __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+      for (int64_t kp = 0; kp < 16; ++kp) {
+        const __m512 x0 = _mm512_load_ps(s + (2 * kp) * 16), x1 = _mm512_load_ps(s + (2 * kp + 1) * 16);
+        __m512 p0 = exp16(_mm512_fmsub_ps(x0, scale, mxs)), p1 = exp16(_mm512_fmsub_ps(x1, scale, mxs));
+        if (edge) {  // a masked key (x = -inf) gets exactly 0, not exp16's ~1e-38
+          p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, neg_inf, _CMP_NEQ_OQ), p0);
+          p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1, neg_inf, _CMP_NEQ_OQ), p1);
+        }
+        sum0 = _mm512_add_ps(sum0, p0);
+        sum1 = _mm512_add_ps(sum1, p1);
+        // 3. [p0 (16 bf16) | p1 (16 bf16)] -> pairs (p0[q], p1[q]).
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+        _mm512_store_si512(pt + kp * 32, _mm512_permutexvar_epi16(interleave, both));
       }
-      sum0 = _mm512_add_ps(sum0, p0);
-      sum1 = _mm512_add_ps(sum1, p1);
-      // 3. [p0 (16 bf16) | p1 (16 bf16)] -> pairs (p0[q], p1[q]).
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-      _mm512_store_si512(pt + kp * 32, _mm512_permutexvar_epi16(interleave, both));
-    }
-    const __m512 sum = _mm512_add_ps(sum0, sum1);
-    l = _mm512_fmadd_ps(l, alpha, sum);
-    // 4. O^T = alpha * O^T + V^T P^T (alpha is exactly 1 where the max did not move).
-    if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ))
-      for (int64_t d = 0; d < D; ++d) _mm512_store_ps(ot + d * 16, _mm512_mul_ps(_mm512_load_ps(ot + d * 16), alpha));
-    _tile_loadd(3, pt, 64);
-    for (int64_t db = 0; db < dbs; db += 2) {  // two chunks in flight (tiles 2 and 7)
-      _tile_loadd(2, ot + db * 256, 64);
-      _tile_loadd(4, vt + (db * steps_all + st) * 512, 64);
-      _tile_loadd(7, ot + (db + 1) * 256, 64);
-      _tile_loadd(6, vt + ((db + 1) * steps_all + st) * 512, 64);
-      _tile_dpbf16ps(2, 4, 3);
-      _tile_dpbf16ps(7, 6, 3);
-      _tile_stored(2, ot + db * 256, 64);
-      _tile_stored(7, ot + (db + 1) * 256, 64);
+      h.l = _mm512_fmadd_ps(h.l, alpha, _mm512_add_ps(sum0, sum1));
+      // 4. O^T = alpha * O^T + V^T P^T (alpha is exactly 1 where the max did not move).
+      float* ot = h.ot;
+      if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ))
+        for (int64_t d = 0; d < D; ++d) _mm512_store_ps(ot + d * 16, _mm512_mul_ps(_mm512_load_ps(ot + d * 16), alpha));
+      _tile_loadd(3, pt, 64);
+      for (int64_t db = 0; db < dbs; db += 2) {  // two chunks in flight (tiles 2 and 7)
+        _tile_loadd(2, ot + db * 256, 64);
+        _tile_loadd(4, vt + (db * steps_all + st) * 512, 64);
+        _tile_loadd(7, ot + (db + 1) * 256, 64);
+        _tile_loadd(6, vt + ((db + 1) * steps_all + st) * 512, 64);
+        _tile_dpbf16ps(2, 4, 3);
+        _tile_dpbf16ps(7, 6, 3);
+        _tile_stored(2, ot + db * 256, 64);
+        _tile_stored(7, ot + (db + 1) * 256, 64);
+      }
     }
   }
   // out[r0 + q][h][d] = O^T[d][q] / l[q]: 16 d at a time, gathered down a column of O^T.
-  alignas(64) float inv[16];
-  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
   const int64_t rows = std::min<int64_t>(16, a.n - r0);
-  for (int64_t q = 0; q < rows; ++q) {
-    c10::BFloat16* dst = a.out + ((r0 + q) * a.H + h) * D;
-    const __m512 iv = _mm512_set1_ps(inv[q]);
-    for (int64_t db = 0; db < dbs; ++db) {
-      const __m512 o = _mm512_i32gather_ps(column, ot + db * 256 + q, 4);  // column: lane * 16
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + db * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o, iv)));
+  for (int64_t hi = 0; hi < G; ++hi) {
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), hs[hi].l));
+    for (int64_t q = 0; q < rows; ++q) {
+      c10::BFloat16* dst = a.out + ((r0 + q) * a.H + h0 + hi) * D;
+      const __m512 iv = _mm512_set1_ps(inv[q]);
+      for (int64_t db = 0; db < dbs; ++db) {
+        const __m512 o = _mm512_i32gather_ps(column, hs[hi].ot + db * 256 + q, 4);  // column: lane * 16
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + db * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o, iv)));
+      }
     }
   }
 }
@@ -204,15 +225,25 @@ void run(const Args& a) {
     for (int64_t g = g0; g < g1; ++g)
       pack_kv(a, g, steps, kv.data() + g * 2 * tiles_per_head, kv.data() + (g * 2 + 1) * tiles_per_head);
   });
-  at::parallel_for(0, a.H * qblocks, 1, [&](int64_t w0, int64_t w1) {
+  // Work: (kv head, query block); a group of more than kMaxGroup heads goes in slices.
+  constexpr int64_t kMaxGroup = 8;
+  const int64_t slices = (group + kMaxGroup - 1) / kMaxGroup, per = (group + slices - 1) / slices;
+  at::parallel_for(0, a.KVH * slices * qblocks, 1, [&](int64_t w0, int64_t w1) {
     load_tile_config();
-    alignas(64) uint16_t qp[kMaxD / 32 * 512];
-    alignas(64) float ot[kMaxD * 16];
+    std::vector<uint16_t> qp(static_cast<size_t>(per * (a.D / 32) * 512));
+    std::vector<float> ot(static_cast<size_t>(per * a.D * 16 + 16));  // + 16: room to align
+    float* ot0 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(ot.data()) + 63) & ~uintptr_t(63));
+    HeadState hs[kMaxGroup];
+    for (int64_t i = 0; i < per; ++i) {
+      hs[i].qp = qp.data() + i * (a.D / 32) * 512;
+      hs[i].ot = ot0 + i * a.D * 16;
+    }
     alignas(64) float s[512];
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t h = w / qblocks, g = h / group;
-      block(a, h, (w % qblocks) * 16, steps, kv.data() + g * 2 * tiles_per_head,
-            kv.data() + (g * 2 + 1) * tiles_per_head, qp, ot, s);
+      const int64_t g = w / (slices * qblocks), slice = (w / qblocks) % slices;
+      const int64_t h0 = g * group + slice * per, G = std::min(per, group - slice * per);
+      block(a, h0, G, (w % qblocks) * 16, steps, kv.data() + g * 2 * tiles_per_head,
+            kv.data() + (g * 2 + 1) * tiles_per_head, hs, s);
     }
     _tile_release();
   });

@@ -33,7 +33,7 @@ def qkv_views(n, ctx, heads, kv_heads, d, seed):
 
 @pytest.mark.parametrize("n,ctx", [(1, 1), (5, 5), (16, 16), (17, 17), (33, 33), (100, 100), (530, 530),
                                    (1, 40), (17, 40), (100, 700), (31, 64)])
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 32), (4, 1, 256)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 32), (4, 1, 256), (12, 1, 64)])
 def test_matches_fp32_reference(n, ctx, heads, kv_heads, d):
     q, k, v = qkv_views(n, ctx, heads, kv_heads, d, seed=n * 7 + ctx + d)
     scale = d ** -0.5
