@@ -45,8 +45,6 @@ namespace {
 #if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define PDSERVE_PREFILL_AMX 1
 
-constexpr int64_t kMaxD = 256;
-
 using amx::load_tile_config;
 
 // exp(x) for x <= 0, 16 lanes (Cephes, as paged_attention.cpp); below -87 gives ~1e-38.

@@ -142,8 +142,6 @@ constexpr int64_t kTilesN = 4;  // C tiles (W row blocks) per pass
 
 using amx::load_tile_config;
 
-inline bool amx_permitted() { return amx::permitted(); }
-
 // xp[kc][kp][m][j] = x[m0 + m][32 kc + 2 kp + j], zero for m >= M - m0.
 void pack_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t m0, uint16_t* xp) {
   const int64_t mm = std::min<int64_t>(kTileM, M - m0);
@@ -181,7 +179,7 @@ inline void amx_rows(const c10::BFloat16* w, const uint16_t* xp, int64_t K, floa
 int64_t run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
                 int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = N / kTileN;
-  if (K % 32 || nblocks == 0 || !amx_permitted()) return 0;
+  if (K % 32 || nblocks == 0 || !amx::permitted()) return 0;
   const int64_t groups = (M + kTileM - 1) / kTileM;
   std::vector<uint16_t> xp(static_cast<size_t>(groups * K * kTileM));
   for (int64_t g = 0; g < groups; ++g) pack_x(x, M, K, g * kTileM, xp.data() + g * K * kTileM);

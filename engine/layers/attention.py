@@ -55,22 +55,16 @@ class PagedAttention(torch.nn.Module):
         fused = bool(fb.prefills) and prefill_kernel_usable(q)
         for p in fb.prefills:
             s, n = p.start, p.length
+            if not p.has_context:  # the step's own K/V are the whole context: [n, KVH, D]
+                kk, vv = k[s:s + n], v[s:s + n]
+            else:  # gathered from the pages: [ctx, KVH, D]
+                kk, vv = (layer[p.pages, i].flatten(0, 1)[:p.ctx] for i in (0, 1))
             if fused:  # the AMX kernel: causal from the chunk's offset in its context, no mask
-                if p.mask is None:
-                    kk, vv = k[s:s + n], v[s:s + n]  # [n, KVH, D]
-                else:
-                    g = layer[p.pages]  # [np, 2, ps, KVH, D]
-                    kk = g[:, 0].reshape(-1, *g.shape[-2:])[:p.mask.shape[-1]]  # [ctx, KVH, D]
-                    vv = g[:, 1].reshape(-1, *g.shape[-2:])[:p.mask.shape[-1]]
                 out[s:s + n] = prefill_attention(q[s:s + n], kk, vv, self.scale)
                 continue
-            if p.mask is None:  # no earlier context: the step's own K/V are the whole context
-                kk, vv = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)  # [KVH, n, D]
-            else:
-                g = layer[p.pages]  # [np, 2, ps, KVH, D]
-                kv = g.transpose(0, 1).flatten(1, 2)[:, :p.mask.shape[-1]].transpose(1, 2)  # [2, KVH, ctx, D]
-                kk, vv = kv[0], kv[1]
-            o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, p.mask, self.scale, causal=p.mask is None)
+            mask = p.full_mask(q.dtype, q.device) if p.has_context else None
+            o = _sdpa(q[s:s + n].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), mask, self.scale,
+                      causal=mask is None)
             out[s:s + n] = o.transpose(0, 1)
         return out
 
@@ -94,7 +88,7 @@ class PagedAttention(torch.nn.Module):
                     continue
                 kk, vv = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)  # [KVH, n, D]
                 o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, None, self.scale, causal=True)
-            elif p.mask is None:  # a first chunk longer than the window: nothing in the ring yet
+            elif not p.has_context:  # a first chunk longer than the window: nothing in the ring yet
                 o = self._first_chunk_blocked(q[s:s + n], k[s:s + n], v[s:s + n], w)
             else:
                 old = ring[p.swa_slot]  # [2, W, KVH, D]

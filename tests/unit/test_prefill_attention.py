@@ -80,6 +80,14 @@ def test_engine_prefill_with_kernel_matches_sdpa_path(model, monkeypatch):
     prompt = torch.randint(100, 20000, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=5)
 
+    calls = []
+
+    def counted(*args):
+        calls.append(args[1].shape[0])  # keys: the chunk's own, or its context
+        return prefill_attention(*args)
+
+    monkeypatch.setattr(attention, "prefill_attention", counted)
+
     def first_token_top5(kernel: bool) -> dict[int, float]:
         monkeypatch.setattr(attention, "prefill_kernel_usable", lambda q: kernel)
         return dict(eng.generate([prompt], params)[0].logprobs[0].top)
@@ -87,7 +95,11 @@ def test_engine_prefill_with_kernel_matches_sdpa_path(model, monkeypatch):
     # 150 tokens in chunks of 64: the second and third attend over earlier context (the masked
     # path; Gemma's sliding layers keep SDPA there, its first chunk fits the window and takes the
     # kernel). The two paths round differently (bf16), so compare distributions, not bits.
-    a, b = first_token_top5(True), first_token_top5(False)
+    a = first_token_top5(True)
+    assert 64 in calls and 150 in calls  # the kernel ran on a first chunk and over context
+    calls.clear()
+    b = first_token_top5(False)
+    assert not calls
     common = sorted(set(a) & set(b))
     assert len(common) >= 4
     # Tolerance from SDPA alone: the same prompt in chunks of 64 vs in one chunk moves these
