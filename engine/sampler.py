@@ -15,14 +15,19 @@ Per step, for every row at once (vLLM's order and semantics):
    before penalties and temperature: the chosen token's and the top K, K the
    largest count any row asked for.
 
+On the CPU steps 3-4 run in `csrc/race_sample.cpp` (engine/race_sample_op.py): the filters
+become -inf logits, and one pass per row runs the race on the raw logits at the row's
+temperature, drawing q_i from a counter hash of (the row's key, i); no [B, V] noise tensor.
+
 Seed contract: a seeded row's noise q is a pure function of (seed, step,
 vocab size, device type), where step = len(output_ids) of that row when the
-batch is built, i.e. the number of tokens already generated. It is drawn from
-`torch.Generator(device).manual_seed(_mix_seed(seed, step))`, never from the
-global RNG, so the row gets the same token wherever it sits in the batch and
-whatever else is batched, and another process (a rank resuming the request,
-with the same output_ids) reproduces it. Bitwise-equal logits are the model's
-business; CPU and CUDA generators draw different streams.
+batch is built, i.e. the number of tokens already generated. On the CPU it is the kernel's
+hash keyed by `_mix_seed(seed, step)`; elsewhere it is drawn from
+`torch.Generator(device).manual_seed(_mix_seed(seed, step))`. Never from the
+global RNG (unseeded rows take their keys from it), so the row gets the same token wherever
+it sits in the batch and whatever else is batched, and another process (a rank resuming the
+request, with the same output_ids) reproduces it. Bitwise-equal logits are the model's
+business; the CPU and CUDA draw different streams.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.race_sample_op import race_sample, race_sample_available
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -189,6 +195,34 @@ def _exponential_noise(shape: torch.Size, batch: SamplingBatch, device: torch.de
     return q.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
+def _race_kernel_usable(logits: torch.Tensor) -> bool:
+    return logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and race_sample_available()
+
+
+def _row_keys(batch: SamplingBatch) -> torch.Tensor:
+    """[B] int64 race keys: _mix_seed(seed, step) for seeded rows, the global RNG for the rest."""
+    keys = torch.randint(-(1 << 63), (1 << 63) - 1, (batch.num_rows,), dtype=torch.int64)
+    for row, gen_seed in batch.seeded_rows:
+        keys[row] = gen_seed - (1 << 64) if gen_seed >= 1 << 63 else gen_seed
+    return keys
+
+
+def _filtered(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits with -inf where top-k, top-p or min-p (decided at each row's temperature) drop a
+    token; the logits themselves when no row filters, so an unfiltered row's input to the race
+    is the same whatever else is batched."""
+    if batch.top_k is None and batch.top_p is None and batch.min_p is None:
+        return logits
+    scaled = logits.to(torch.float32) / batch.temperature
+    if batch.top_k is not None or batch.top_p is not None:
+        scaled = _top_k_top_p(scaled, batch)
+    drop = scaled == float("-inf")
+    if batch.min_p is not None:
+        probs = scaled.softmax(dim=-1)
+        drop |= probs < batch.min_p * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(drop, float("-inf"))
+
+
 class Sampler:
     """Stateless; the engine builds a SamplingBatch per step and calls this."""
 
@@ -201,6 +235,8 @@ class Sampler:
         if batch.all_greedy and not batch.has_penalties:
             # Fast path: upcasting half types to float32 is exact, so argmax is unchanged.
             token_ids = logits.argmax(dim=-1)
+        elif not batch.has_penalties and _race_kernel_usable(logits):
+            token_ids = self._sample(logits, batch)  # the kernel reads the raw logits: no float32 copy
         else:
             token_ids = self._sample(apply_penalties(logits, batch), batch)
         if batch.max_logprobs is None:
@@ -212,10 +248,14 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits: penalised float32 [B, V], owned by us. Returns [B] int64."""
+        """logits: penalised float32 [B, V], owned by us (or, on the kernel path, the raw
+        logits, not modified). Returns [B] int64."""
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
+        if _race_kernel_usable(logits):
+            sampled = race_sample(_filtered(logits, batch), 1.0 / batch.temperature.squeeze(1), _row_keys(batch))
+            return sampled if greedy_ids is None else torch.where(batch.greedy, greedy_ids, sampled)
         logits = logits / batch.temperature
         if batch.top_k is not None or batch.top_p is not None:
             logits = _top_k_top_p(logits, batch)

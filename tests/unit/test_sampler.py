@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine.sampler as sampler_mod
 from engine.sampler import Sampler, SamplingBatch, apply_penalties
 from engine.sampling_params import SamplingParams
 
@@ -59,6 +60,35 @@ def test_seed_is_independent_of_batch_composition_and_position():
         outputs = [[5]] * pos + [history] + [[6, 7]] * (3 - pos)
         torch.manual_seed(100 + pos)  # a different global RNG state each time
         assert sample(logits, params, outputs).token_ids[pos] == alone
+
+
+def test_seeded_row_ignores_filters_of_other_rows():
+    """On the CPU kernel path filters turn into -inf logits per row; a row without filters must
+    see its raw logits whatever the others ask for."""
+    torch.manual_seed(0)
+    row = torch.randn(64)
+    seeded = SamplingParams(temperature=0.9, seed=11)
+    alone = [sample(row.unsqueeze(0), [seeded], [[4] * s]).token_ids[0] for s in range(12)]
+    others = [SamplingParams(temperature=0.7, top_p=0.5), SamplingParams(top_k=3, min_p=0.2, seed=1)]
+    for s in range(12):
+        logits = torch.stack([torch.randn(64), row, torch.randn(64)])
+        out = sample(logits, [others[0], seeded, others[1]], [[1], [4] * s, [2]])
+        assert out.token_ids[1] == alone[s]
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_filters_and_distribution_on_both_paths(path, monkeypatch):
+    if path == "torch":
+        monkeypatch.setattr(sampler_mod, "_race_kernel_usable", lambda logits: False)
+    n = 3000
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
+    tokens = sample(logits.repeat(n, 1), [SamplingParams(temperature=0.9, top_k=4)] * n).token_ids
+    assert set(tokens.tolist()) == {0, 1, 2, 3}
+    expected = (logits[:4] / 0.9).softmax(-1) * n
+    chi2 = ((torch.bincount(tokens, minlength=4).float() - expected) ** 2 / expected).sum().item()
+    assert chi2 < 16.27, chi2  # 99.9th percentile, 3 dof
+    tokens = sample(logits.repeat(200, 1), [SamplingParams(temperature=1.0, min_p=0.5)] * 200).token_ids
+    assert set(tokens.tolist()) <= {0, 1} and len(set(tokens.tolist())) == 2  # e^-0.5 > 0.5 > e^-1
 
 
 def test_seeded_tokens_vary_with_step_and_seed():
