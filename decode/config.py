@@ -27,6 +27,10 @@ class RankConfig:
                               "for ranks started by hand")
     cluster_secret: str = opt("", "shared secret of the cluster (ZeroMQ CURVE on rank sockets); default "
                                   "$PDSERVE_CLUSTER_SECRET, which keeps it out of `ps`")
+    core_board: str = opt("", "shared-memory file where this host's ranks mark themselves busy or idle; a "
+                              "rank then runs its steps on the threads of idle ranks too (the launcher "
+                              "creates it; see decode/core_board.py)")
+    core_slot: int = opt(0, "this rank's slot on --core-board")
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -62,6 +62,7 @@ class RankLoop:
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        self.board = None  # a decode.core_board.CoreBoard: idle cores of this host's ranks, lent per step
         self._cache = getattr(engine, "hicache", None) if self.ships_cache_events else None
         if self._cache is not None:
             self._cache.record_events = True
@@ -98,8 +99,12 @@ class RankLoop:
         self._admit(self._wait_s())
         self._progress()
         if not eng.has_unfinished():
+            if self.board is not None:
+                self.board.idle()
             self._stats = self._snapshot()
             return
+        if self.board is not None:
+            self.board.busy()
         try:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank
@@ -312,6 +317,12 @@ def parse_rank_args(argv, description: str, default_role: str):
     return cfg, from_args(args, HandoffConfig), from_cli_args(args, EngineConfig)
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -> int:
     """Run `loop` on this thread with `link` on its IO thread until the rank must exit."""
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -320,6 +331,13 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
         log.warning("fault injected (%s): never saying Hello", FAULT_ENV)
         while not link.stopped.wait(0.2):
             pass
+    if cfg.core_board:
+        from decode.core_board import CoreBoard
+
+        loop.board = CoreBoard(cfg.core_board, cfg.core_slot, torch_threads())
+        closers = (*closers, loop.board.close)
+        log.info("core board %s slot %d: %d own thread(s), up to %d with idle peers", cfg.core_board,
+                 cfg.core_slot, loop.board.own, loop.board.max)
     link.start()
     try:
         loop.run(link)

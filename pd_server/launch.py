@@ -35,9 +35,12 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from decode.config import HandoffConfig
+from decode.core_board import create_board
 from pd_server.cluster_auth import SECRET_ENV, cluster_secret_from_env
 from pd_server.cli_args import add_dataclass_args, from_args, opt
 from pd_server.config import RouterConfig
@@ -68,6 +71,10 @@ class LaunchConfig:
     restart_backoff_s: float = opt(1.0, "with --supervise: wait before a restart, doubled per restart of that rank")
     cluster_secret: str = opt("", "shared secret every rank must prove (ZeroMQ CURVE on rank sockets); "
                                   "default $PDSERVE_CLUSTER_SECRET, passed to the ranks in their environment")
+    lend_idle_cores: bool = opt(False, "a rank runs its steps on the torch threads of this host's idle ranks "
+                                       "too (a lone prompt prefills on every core). Off by default: oneDNN's "
+                                       "GEMM rounds differently at another thread count, so outputs then "
+                                       "depend on timing in their last bits (greedy text can differ)")
 
     def __post_init__(self) -> None:
         if min(self.colocated, self.prefill, self.decode) < 0:
@@ -94,9 +101,11 @@ class LaunchConfig:
 
 
 def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router_addr: str,
-                 handoff: HandoffConfig | None = None) -> list[str]:
+                 handoff: HandoffConfig | None = None, core_board: str = "") -> list[str]:
     module = {"prefill": "prefill.rank"}.get(role, "decode.fake_rank" if launch.fake_ranks else "decode.rank")
     cmd = [sys.executable, "-m", module, "--role", role, "--index", str(index), "--router-addr", router_addr]
+    if core_board and not launch.fake_ranks:  # slots: prefill (or colocated) ranks, then decode ranks
+        cmd += ["--core-board", core_board, "--core-slot", str(index + (launch.prefill if role == "decode" else 0))]
     if role in ("prefill", "decode"):
         cmd += ["--host", launch.prefill_host if role == "prefill" else launch.decode_host]
         for f in fields(HandoffConfig):
@@ -134,7 +143,11 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
                             secret=launch.cluster_secret)
     addr = dispatcher.bind()
     log.info("rank socket at %s%s", addr, " (CURVE, cluster secret)" if launch.cluster_secret else "")
-    sup = Supervisor(registry, lambda role, i: rank_command(engine_cfg, launch, role, i, addr, handoff),
+    board = ""
+    if launch.lend_idle_cores and launch.num_ranks > 1 and engine_cfg.device == "cpu":
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        board = str(create_board(shm / f"pdserve-cores-{os.getpid()}", launch.num_ranks))
+    sup = Supervisor(registry, lambda role, i: rank_command(engine_cfg, launch, role, i, addr, handoff, board),
                      launch.run_dir, launch.max_restarts if launch.supervise else 0, launch.restart_backoff_s,
                      launch.rank_start_timeout_s)
     for role, count in launch.roles:
@@ -163,6 +176,8 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
         watch.cancel()
         await dispatcher.close()
         await asyncio.to_thread(sup.reap, launch.rank_shutdown_s)
+        if board:
+            Path(board).unlink(missing_ok=True)
         log.info("stopped")
 
 

@@ -1,0 +1,105 @@
+"""Idle cores lent between the ranks of one host.
+
+Each rank gets `cores / ranks` torch threads, so with one request in flight (a lone prompt, or
+a decode rank waiting while its prefill rank works) the other ranks' cores sit idle. The
+launcher creates a small shared-memory board, one 8-byte slot per rank: 0.0 while the rank has
+work, else the CLOCK_MONOTONIC time (system-wide on Linux) it went idle. Before each engine step
+a rank marks itself busy and runs the step on its own threads plus those of every rank idle
+for at least `settle_s`; when it runs out of work it marks itself idle and drops back to its
+own threads.
+
+The cost of a wrong guess is bounded by one step: a peer that gets work marks itself busy
+before its first step, and the borrower drops back before its next one. `settle_s` keeps the
+short gaps of a busy rank (a request finishing just before the next arrives) from being lent.
+Numerics: results then depend on the thread count of the step that computed them, which
+depends on timing. Our kernels give a row the same result at any thread count, but oneDNN's
+bf16 GEMM does not for every shape (measured: [530, 576] x [576, 960] rounds differently on 1
+and 2 threads), so greedy outputs of lent steps can differ from unlent ones (and PD from
+colocated). Hence opt-in: `--lend-idle-cores` on the launcher.
+
+Slots start at 0.0, busy: a rank still loading its model lends nothing, and neither does one
+that stopped or died (the safe side).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+log = logging.getLogger("decode.core_board")
+SLOT = struct.Struct("d")
+
+
+def create_board(path: str | Path, ranks: int) -> Path:
+    """The launcher's side: a zeroed board of `ranks` slots (every rank busy until it says otherwise)."""
+    path = Path(path)
+    path.write_bytes(bytes(SLOT.size * ranks))
+    return path
+
+
+class CoreBoard:
+    """One rank's view of the board: `busy()` before a step, `idle()` when out of work."""
+
+    def __init__(self, path: str | Path, slot: int, own_threads: int, max_threads: int | None = None,
+                 settle_s: float = 0.05) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < SLOT.size * (slot + 1) or size % SLOT.size:
+                raise ValueError(f"core board {path} has {size} bytes: no slot {slot}")
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.slots = size // SLOT.size
+        self.slot = slot
+        self.own = max(1, own_threads)
+        self.max = max(self.own, max_threads or os.cpu_count() or 1)
+        self.settle_s = settle_s
+        self.threads = self.own
+        self._idle_since: float | None = None
+        self._write(0.0)
+
+    def _write(self, value: float) -> None:
+        SLOT.pack_into(self._mm, self.slot * SLOT.size, value)
+
+    def idle_peers(self, now: float | None = None) -> int:
+        """Peers idle for at least settle_s."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        for i in range(self.slots):
+            if i != self.slot:
+                since = SLOT.unpack_from(self._mm, i * SLOT.size)[0]
+                n += since > 0.0 and now - since >= self.settle_s
+        return n
+
+    def busy(self) -> int:
+        """Mark this rank busy and set torch's threads for the next step; returns them."""
+        if self._idle_since is not None:
+            self._idle_since = None
+            self._write(0.0)
+        self._set(min(self.max, self.own * (1 + self.idle_peers())))
+        return self.threads
+
+    def idle(self) -> None:
+        """Mark this rank idle (from now) and drop back to its own threads."""
+        if self._idle_since is None:
+            self._idle_since = time.monotonic()
+            self._write(self._idle_since)
+        self._set(self.own)
+
+    def _set(self, n: int) -> None:
+        if n != self.threads:
+            import torch
+
+            torch.set_num_threads(n)
+            self.threads = n
+
+    def close(self) -> None:
+        try:
+            self._write(0.0)  # a stopped rank lends nothing it no longer has
+            self._mm.close()
+        except (ValueError, OSError):
+            pass
