@@ -342,6 +342,11 @@ void for_each_item(int64_t n, int64_t threads, int64_t scratch_floats, const Fn&
   });
 }
 
+// The thread count split-K is planned for (0: torch's current one). A rank that borrows idle
+// cores for some steps pins it to its own count, so that a sequence's context is cut the same
+// way (and its result has the same bits) at any thread count it runs with.
+std::atomic<int64_t> g_split_threads{0};
+
 template <typename T>
 void run(const Problem& p, int64_t batch, at::Tensor& out) {
   const int64_t G = p.groups, D = p.d, KVH = p.kvh;
@@ -354,7 +359,9 @@ void run(const Problem& p, int64_t batch, at::Tensor& out) {
   // Waking a thread costs more than a few thousand rows of work.
   const int64_t threads =
       std::clamp<int64_t>(rows / kMinRowsPerThread, 1, std::max(1, at::get_num_threads()));
-  const int64_t splits = choose_splits(pairs, threads, max_ctx);
+  const int64_t pinned = g_split_threads.load(std::memory_order_relaxed);
+  const int64_t plan = pinned > 0 ? std::clamp<int64_t>(rows / kMinRowsPerThread, 1, pinned) : threads;
+  const int64_t splits = choose_splits(pairs, plan, max_ctx);
   auto* attend = D == 64    ? &attend_chunk<T, 4>
                  : D == 128 ? &attend_chunk<T, 8>
                  : D == 256 ? &attend_chunk<T, 16>
@@ -497,6 +504,8 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv, Tensor page_table, Tensor ctx_lens, "
       "float scale) -> Tensor");
+  m.def("set_decode_split_threads(int n) -> ()",
+        [](int64_t n) { pdserve::g_split_threads.store(std::max<int64_t>(0, n)); });
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {

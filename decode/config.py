@@ -31,6 +31,8 @@ class RankConfig:
                               "rank then runs its steps on the threads of idle ranks too (the launcher "
                               "creates it; see decode/core_board.py)")
     core_slot: int = opt(0, "this rank's slot on --core-board")
+    lend_prefill: bool = opt(False, "with --core-board: steps with prefill rows borrow idle ranks' threads too "
+                                    "(their bits then depend on the thread count)")
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -11,11 +11,14 @@ own threads.
 The cost of a wrong guess is bounded by one step: a peer that gets work marks itself busy
 before its first step, and the borrower drops back before its next one. `settle_s` keeps the
 short gaps of a busy rank (a request finishing just before the next arrives) from being lent.
-Numerics: results then depend on the thread count of the step that computed them, which
-depends on timing. Our kernels give a row the same result at any thread count, but oneDNN's
-bf16 GEMM does not for every shape (measured: [530, 576] x [576, 960] rounds differently on 1
-and 2 threads), so greedy outputs of lent steps can differ from unlent ones (and PD from
-colocated). Hence opt-in: `--lend-idle-cores` on the launcher.
+Numerics: only decode-only steps of at most 32 rows borrow by default. Their ops give a row
+the same bits at any thread count (small_linear, RMSNorm, act_and_mul, rotary, race_sample,
+elementwise torch ops; paged attention's split-K is planned for the rank's own thread count,
+`set_split_threads`), so outputs do not depend on timing. Steps with prefill rows borrow
+only with `lend_prefill` (the launcher's `--lend-idle-cores`): oneDNN's bf16 GEMM does not
+give the same bits at every thread count (measured: [530, 576] x [576, 960] rounds differently
+on 1 and 2 threads), so greedy outputs of lent prefills can differ from unlent ones (and PD
+from colocated).
 
 Slots start at 0.0, busy: a rank still loading its model lends nothing, and neither does one
 that stopped or died (the safe side).
@@ -44,7 +47,7 @@ class CoreBoard:
     """One rank's view of the board: `busy()` before a step, `idle()` when out of work."""
 
     def __init__(self, path: str | Path, slot: int, own_threads: int, max_threads: int | None = None,
-                 settle_s: float = 0.05) -> None:
+                 settle_s: float = 0.05, lend_prefill: bool = False) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -58,9 +61,13 @@ class CoreBoard:
         self.own = max(1, own_threads)
         self.max = max(self.own, max_threads or os.cpu_count() or 1)
         self.settle_s = settle_s
+        self.lend_prefill = lend_prefill
         self.threads = self.own
         self._idle_since: float | None = None
         self._write(0.0)
+        from engine.layers.paged_attention_op import set_split_threads
+
+        set_split_threads(self.own)
 
     def _write(self, value: float) -> None:
         SLOT.pack_into(self._mm, self.slot * SLOT.size, value)
@@ -75,12 +82,14 @@ class CoreBoard:
                 n += since > 0.0 and now - since >= self.settle_s
         return n
 
-    def busy(self) -> int:
-        """Mark this rank busy and set torch's threads for the next step; returns them."""
+    def busy(self, decode_only: bool = True) -> int:
+        """Mark this rank busy and set torch's threads for the next step; returns them. Steps
+        with prefill rows borrow only with lend_prefill."""
         if self._idle_since is not None:
             self._idle_since = None
             self._write(0.0)
-        self._set(min(self.max, self.own * (1 + self.idle_peers())))
+        lend = decode_only or self.lend_prefill
+        self._set(min(self.max, self.own * (1 + self.idle_peers())) if lend else self.own)
         return self.threads
 
     def idle(self) -> None:

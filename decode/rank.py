@@ -63,6 +63,9 @@ class RankLoop:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.board = None  # a decode.core_board.CoreBoard: idle cores of this host's ranks, lent per step
+        from engine.layers.linear import MAX_ROWS
+
+        self._lend_rows = MAX_ROWS
         self._cache = getattr(engine, "hicache", None) if self.ships_cache_events else None
         if self._cache is not None:
             self._cache.record_events = True
@@ -104,7 +107,9 @@ class RankLoop:
             self._stats = self._snapshot()
             return
         if self.board is not None:
-            self.board.busy()
+            # Decode rows up to small_linear's MAX_ROWS: every op then gives a row the same bits
+            # at any thread count, so such steps may run on lent threads (decode/core_board.py).
+            self.board.busy(eng.next_step_decodes_only(self._lend_rows))
         try:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank
@@ -334,10 +339,11 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
     if cfg.core_board:
         from decode.core_board import CoreBoard
 
-        loop.board = CoreBoard(cfg.core_board, cfg.core_slot, torch_threads())
+        loop.board = CoreBoard(cfg.core_board, cfg.core_slot, torch_threads(), lend_prefill=cfg.lend_prefill)
         closers = (*closers, loop.board.close)
-        log.info("core board %s slot %d: %d own thread(s), up to %d with idle peers", cfg.core_board,
-                 cfg.core_slot, loop.board.own, loop.board.max)
+        log.info("core board %s slot %d: %d own thread(s), up to %d with idle peers for %s", cfg.core_board,
+                 cfg.core_slot, loop.board.own, loop.board.max,
+                 "every step" if cfg.lend_prefill else "decode-only steps")
     link.start()
     try:
         loop.run(link)

@@ -220,6 +220,14 @@ class LLMEngine:
         return True
 
     # ---- the loop -------------------------------------------------------------
+    def next_step_decodes_only(self, max_rows: int) -> bool:
+        """True when the next step would run only decode rows, at most `max_rows` of them (nothing
+        waiting, every running sequence one token behind): steps whose per-row results our
+        kernels make independent of the thread count."""
+        sched = self.scheduler
+        return (not sched.waiting and 0 < len(sched.running) <= max_rows
+                and all(s.num_uncomputed == 1 for s in sched.running))
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

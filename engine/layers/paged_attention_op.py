@@ -54,6 +54,13 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, page_table: torch.
     return torch.ops.pdserve.paged_decode_attention(q, kv, page_table, ctx_lens, scale)
 
 
+def set_split_threads(n: int) -> None:
+    """Plan split-K for `n` threads whatever torch's thread count (0: follow it), so that a
+    sequence's result does not change when a step runs on borrowed threads."""
+    _load_ops()
+    torch.ops.pdserve.set_decode_split_threads(n)
+
+
 def reference_decode_attention(q: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
                                ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Plain-torch `paged_decode_attention` (gather pages, mask, fp32 softmax); same contract."""

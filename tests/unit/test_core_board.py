@@ -56,3 +56,53 @@ def test_launcher_gives_each_rank_its_slot():
     cmd = rank_command(EngineConfig(), launch, "prefill", 1, "ipc://x", core_board="/dev/shm/b")
     assert cmd[cmd.index("--core-slot") + 1] == "1"
     assert "--core-board" not in rank_command(EngineConfig(), launch, "prefill", 0, "ipc://x")
+
+
+def test_lend_prefill_flag_reaches_the_ranks():
+    launch = LaunchConfig(colocated=2, lend_idle_cores=True)
+    assert "--lend-prefill" in rank_command(EngineConfig(), launch, "colocated", 1, "ipc://x", core_board="/b")
+    assert "--lend-prefill" not in rank_command(EngineConfig(), LaunchConfig(colocated=2), "colocated", 1,
+                                                "ipc://x", core_board="/b")
+
+
+def test_prefill_steps_borrow_only_when_asked(tmp_path, threads):
+    path = create_board(tmp_path / "board", 2)
+    a, b = CoreBoard(path, 0, 1, 2, settle_s=0.0), CoreBoard(path, 1, 1, 2, settle_s=0.0, lend_prefill=True)
+    a.idle()
+    b.idle()
+    assert a.busy(decode_only=False) == 1 and a.busy(decode_only=True) == 2
+    a.idle()
+    assert b.busy(decode_only=False) == 2
+
+
+def test_decode_only_steps_give_the_same_bits_on_lent_threads(threads):
+    """The numerics contract that lets decode-only steps borrow threads by default: prompts
+    prefilled on one thread, then every decode step on 1 or 2 threads, give bitwise the same
+    tokens and logprobs (contexts past 1024 tokens, where 2 threads would cut split-K)."""
+    from engine.config import EngineConfig as Cfg
+    from engine.layers.paged_attention_op import set_split_threads
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (1500, 300, 1100)]
+    runs = []
+    try:
+        set_split_threads(1)
+        for lent in (1, 2):
+            eng = LLMEngine(Cfg(num_threads=1, kv_cache_gb=0.25))
+            params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
+                      SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True, logprobs=2),
+                      SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)]
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                eng.add_request(f"r{i}", p, sp)
+            out: dict[str, list] = {}
+            while eng.has_unfinished():
+                torch.set_num_threads(lent if eng.next_step_decodes_only(32) else 1)
+                for o in eng.step():
+                    out.setdefault(o.request_id, []).extend((t.token_id, t.logprob, t.top) for t in o.logprobs)
+            runs.append(out)
+            eng.close()
+    finally:
+        set_split_threads(0)
+    assert runs[0] == runs[1] and all(len(v) == 12 for v in runs[0].values())
