@@ -360,8 +360,8 @@ void run(const Problem& p, int64_t batch, at::Tensor& out) {
   const int64_t threads =
       std::clamp<int64_t>(rows / kMinRowsPerThread, 1, std::max(1, at::get_num_threads()));
   const int64_t pinned = g_split_threads.load(std::memory_order_relaxed);
-  const int64_t plan = pinned > 0 ? std::clamp<int64_t>(rows / kMinRowsPerThread, 1, pinned) : threads;
-  const int64_t splits = choose_splits(pairs, plan, max_ctx);
+  const int64_t splits =
+      choose_splits(pairs, pinned > 0 ? std::clamp<int64_t>(rows / kMinRowsPerThread, 1, pinned) : threads, max_ctx);
   auto* attend = D == 64    ? &attend_chunk<T, 4>
                  : D == 128 ? &attend_chunk<T, 8>
                  : D == 256 ? &attend_chunk<T, 16>

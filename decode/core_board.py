@@ -25,14 +25,12 @@ that stopped or died (the safe side).
 """
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import struct
 import time
 from pathlib import Path
 
-log = logging.getLogger("decode.core_board")
 SLOT = struct.Struct("d")
 
 
@@ -65,15 +63,19 @@ class CoreBoard:
         self.threads = self.own
         self._idle_since: float | None = None
         self._write(0.0)
+        from engine.layers.linear import MAX_ROWS
         from engine.layers.paged_attention_op import set_split_threads
 
+        # Decode steps up to small_linear's MAX_ROWS may borrow: every op of theirs then gives a row
+        # the same bits at any thread count (paged attention once split-K is pinned here).
+        self.decode_rows = MAX_ROWS
         set_split_threads(self.own)
 
     def _write(self, value: float) -> None:
         SLOT.pack_into(self._mm, self.slot * SLOT.size, value)
 
     def idle_peers(self, now: float | None = None) -> int:
-        """Peers idle for at least settle_s."""
+        """Peers idle for at least settle_s at `now` (default: the clock's now)."""
         now = time.monotonic() if now is None else now
         n = 0
         for i in range(self.slots):

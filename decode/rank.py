@@ -63,9 +63,6 @@ class RankLoop:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.board = None  # a decode.core_board.CoreBoard: idle cores of this host's ranks, lent per step
-        from engine.layers.linear import MAX_ROWS
-
-        self._lend_rows = MAX_ROWS
         self._cache = getattr(engine, "hicache", None) if self.ships_cache_events else None
         if self._cache is not None:
             self._cache.record_events = True
@@ -107,9 +104,7 @@ class RankLoop:
             self._stats = self._snapshot()
             return
         if self.board is not None:
-            # Decode rows up to small_linear's MAX_ROWS: every op then gives a row the same bits
-            # at any thread count, so such steps may run on lent threads (decode/core_board.py).
-            self.board.busy(eng.next_step_decodes_only(self._lend_rows))
+            self.board.busy(eng.next_step_decodes_only(self.board.decode_rows))
         try:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank

@@ -1,8 +1,6 @@
 """Idle cores lent between the ranks of one host (decode/core_board.py) and the launcher's wiring."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -18,23 +16,30 @@ def threads():
     torch.set_num_threads(old)
 
 
-def test_a_rank_borrows_the_threads_of_settled_idle_peers(tmp_path, threads):
+def test_a_peer_counts_as_idle_once_settled(tmp_path, threads):
+    path = create_board(tmp_path / "board", 2)
+    a, b = (CoreBoard(path, i, own_threads=1, settle_s=0.05) for i in range(2))
+    b.idle()
+    since = b._idle_since  # what b wrote on the board
+    assert a.idle_peers(now=since) == 0  # not settled: a busy rank's short gaps are not lent
+    assert a.idle_peers(now=since + 0.06) == 1
+    b.busy()
+    assert a.idle_peers(now=since + 0.06) == 0
+
+
+def test_a_rank_borrows_the_threads_of_idle_peers(tmp_path, threads):
     path = create_board(tmp_path / "board", 3)
-    a, b, c = (CoreBoard(path, i, own_threads=2, max_threads=6, settle_s=0.05) for i in range(3))
+    a, b, c = (CoreBoard(path, i, own_threads=2, max_threads=6, settle_s=0.0) for i in range(3))
     assert a.busy() == 2  # every slot starts busy: ranks still loading lend nothing
     b.idle()
-    assert a.busy() == 2  # not settled yet: a busy rank's short gaps are not lent
-    time.sleep(0.06)
     assert a.busy() == 4 and torch.get_num_threads() == 4
     c.idle()
-    time.sleep(0.06)
     assert a.busy() == 6 and torch.get_num_threads() == 6
     assert b.busy() == 4  # b is back, so a would lend only c's
     assert a.busy() == 4
     a.idle()
     assert a.threads == 2 and torch.get_num_threads() == 2
     c.close()  # a stopped rank reads busy
-    time.sleep(0.06)
     assert b.busy() == 4 and b.idle_peers() == 1
 
 

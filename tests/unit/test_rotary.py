@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from engine.config import RopeConfig
-from engine.layers.rotary import RotaryEmbedding, _rotate_half, apply_rotary, fused_rotary_available
+from engine.layers.rotary import (
+    RotaryEmbedding,
+    _rotate_half,
+    apply_rotary,
+    fused_rotary_available,
+)
 
 pytestmark = pytest.mark.skipif(not fused_rotary_available(), reason="PDSERVE_FUSED_ROPE=0")
 
