@@ -31,6 +31,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "amx_gemm.h"
 #include "amx_tiles.h"
 
 #if defined(__AVX512BF16__)
@@ -52,6 +53,9 @@ namespace {
 constexpr int64_t kRows = 4;  // W rows per block (independent read streams)
 constexpr int64_t kXRows = 4;  // x rows per pass over a W block
 constexpr int64_t kGrainBytes = 64 * 1024;  // W bytes per parallel work chunk, at least
+// Above this many x rows the AMX GEMM (csrc/amx_gemm.cpp: w packed per block, reused
+// by every row) replaces the streaming path; both give every row the same bits.
+constexpr int64_t kGemmRows = 32;
 
 #if defined(__AVX512BF16__)
 
@@ -229,6 +233,14 @@ int64_t run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloa
 
 }  // namespace
 
+bool small_linear_amx() {
+#if defined(PDSERVE_AMX)
+  return amx::permitted();
+#else
+  return false;
+#endif
+}
+
 bool small_linear_supported() {
 #if defined(__AVX512BF16__)
   return true;
@@ -260,7 +272,10 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
     auto* od = out.data_ptr<c10::BFloat16>();
     int64_t n0 = 0;
 #if defined(PDSERVE_AMX)
-    n0 = run_amx(xd, wd, b, od, M, N, K);
+    if (M > kGemmRows && amx_gemm(xd, wd, b, od, M, N, K))
+      n0 = N / 16 * 16;
+    else
+      n0 = run_amx(xd, wd, b, od, M, N, K);
 #endif
     if (n0 < N) run_avx512(xd, wd, b, od, M, N, K, n0);
   } else if (M && N) {
@@ -276,6 +291,7 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("small_linear_supported() -> bool", &pdserve::small_linear_supported);
+  m.def("small_linear_amx() -> bool", &pdserve::small_linear_amx);
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {

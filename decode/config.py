@@ -28,11 +28,11 @@ class RankConfig:
     cluster_secret: str = opt("", "shared secret of the cluster (ZeroMQ CURVE on rank sockets); default "
                                   "$PDSERVE_CLUSTER_SECRET, which keeps it out of `ps`")
     core_board: str = opt("", "shared-memory file where this host's ranks mark themselves busy or idle; a "
-                              "rank then runs its decode-only steps on the threads of idle ranks too (the "
-                              "launcher creates it; see decode/core_board.py)")
+                              "rank then runs steps of at most 1024 rows on the threads of idle ranks too "
+                              "(the launcher creates it; see decode/core_board.py)")
     core_slot: int = opt(0, "this rank's slot on --core-board")
-    lend_prefill: bool = opt(False, "with --core-board: steps with prefill rows borrow idle ranks' threads too "
-                                    "(their bits then depend on the thread count)")
+    lend_all: bool = opt(False, "with --core-board: larger steps borrow idle ranks' threads too (oneDNN's "
+                                "GEMM: their bits then depend on the thread count)")
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

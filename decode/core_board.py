@@ -11,14 +11,15 @@ own threads.
 The cost of a wrong guess is bounded by one step: a peer that gets work marks itself busy
 before its first step, and the borrower drops back before its next one. `settle_s` keeps the
 short gaps of a busy rank (a request finishing just before the next arrives) from being lent.
-Numerics: only decode-only steps of at most 32 rows borrow by default. Their ops give a row
-the same bits at any thread count (small_linear, RMSNorm, act_and_mul, rotary, race_sample,
-elementwise torch ops; paged attention's split-K is planned for the rank's own thread count,
-`set_split_threads`), so outputs do not depend on timing. Steps with prefill rows borrow
-only with `lend_prefill` (the launcher's `--lend-idle-cores`): oneDNN's bf16 GEMM does not
-give the same bits at every thread count (measured: [530, 576] x [576, 960] rounds differently
-on 1 and 2 threads), so greedy outputs of lent prefills can differ from unlent ones (and PD
-from colocated).
+Numerics: by default only steps of at most `invariant_rows` rows borrow (1024 with the AMX
+GEMM, 32 without it: engine/layers/linear.py). Their ops give a row the same bits at any
+thread count (small_linear and its AMX GEMM, prefill and paged attention, RMSNorm,
+act_and_mul, rotary, race_sample, elementwise torch ops; paged attention's split-K is planned
+for the rank's own thread count, `set_split_threads`), so outputs do not depend on timing.
+Larger steps borrow only with `lend_all` (the launcher's `--lend-idle-cores`): they use
+oneDNN's bf16 GEMM, which does not give the same bits at every thread count (measured:
+[530, 576] x [576, 960] rounds differently on 1 and 2 threads), so their greedy outputs can
+differ from unlent ones (and PD from colocated).
 
 Slots start at 0.0, busy: a rank still loading its model lends nothing, and neither does one
 that stopped or died (the safe side).
@@ -45,7 +46,7 @@ class CoreBoard:
     """One rank's view of the board: `busy()` before a step, `idle()` when out of work."""
 
     def __init__(self, path: str | Path, slot: int, own_threads: int, max_threads: int | None = None,
-                 settle_s: float = 0.05, lend_prefill: bool = False) -> None:
+                 settle_s: float = 0.05, lend_all: bool = False, bf16: bool = True) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -59,16 +60,16 @@ class CoreBoard:
         self.own = max(1, own_threads)
         self.max = max(self.own, max_threads or os.cpu_count() or 1)
         self.settle_s = settle_s
-        self.lend_prefill = lend_prefill
+        self.lend_all = lend_all
         self.threads = self.own
         self._idle_since: float | None = None
         self._write(0.0)
-        from engine.layers.linear import MAX_ROWS
+        from engine.layers.linear import invariant_rows
         from engine.layers.paged_attention_op import set_split_threads
 
-        # Decode steps up to small_linear's MAX_ROWS may borrow: every op of theirs then gives a row
+        # Steps up to the Linear kernel's row limit may borrow: every op of theirs then gives a row
         # the same bits at any thread count (paged attention once split-K is pinned here).
-        self.decode_rows = MAX_ROWS
+        self.invariant_rows = invariant_rows() if bf16 else 0
         set_split_threads(self.own)
 
     def _write(self, value: float) -> None:
@@ -84,13 +85,13 @@ class CoreBoard:
                 n += since > 0.0 and now - since >= self.settle_s
         return n
 
-    def busy(self, decode_only: bool = True) -> int:
+    def busy(self, invariant: bool = True) -> int:
         """Mark this rank busy and set torch's threads for the next step; returns them. Steps
-        with prefill rows borrow only with lend_prefill."""
+        whose bits would depend on the thread count (not `invariant`) borrow only with lend_all."""
         if self._idle_since is not None:
             self._idle_since = None
             self._write(0.0)
-        lend = decode_only or self.lend_prefill
+        lend = invariant or self.lend_all
         self._set(min(self.max, self.own * (1 + self.idle_peers())) if lend else self.own)
         return self.threads
 

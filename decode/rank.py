@@ -104,7 +104,7 @@ class RankLoop:
             self._stats = self._snapshot()
             return
         if self.board is not None:
-            self.board.busy(eng.next_step_decodes_only(self.board.decode_rows))
+            self.board.busy(eng.next_step_rows_at_most(self.board.invariant_rows))
         try:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank
@@ -334,11 +334,13 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
     if cfg.core_board:
         from decode.core_board import CoreBoard
 
-        loop.board = CoreBoard(cfg.core_board, cfg.core_slot, torch_threads(), lend_prefill=cfg.lend_prefill)
+        # Only the bf16 kernels are thread-count invariant: an fp32 model lends nothing by default.
+        loop.board = CoreBoard(cfg.core_board, cfg.core_slot, torch_threads(), lend_all=cfg.lend_all,
+                               bf16=engine is None or engine.cfg.dtype == "bfloat16")
         closers = (*closers, loop.board.close)
         log.info("core board %s slot %d: %d own thread(s), up to %d with idle peers for %s", cfg.core_board,
                  cfg.core_slot, loop.board.own, loop.board.max,
-                 "every step" if cfg.lend_prefill else "decode-only steps")
+                 "every step" if cfg.lend_all else f"steps of at most {loop.board.invariant_rows} rows")
     link.start()
     try:
         loop.run(link)

@@ -220,13 +220,15 @@ class LLMEngine:
         return True
 
     # ---- the loop -------------------------------------------------------------
-    def next_step_decodes_only(self, max_rows: int) -> bool:
-        """True when the next step would run only decode rows, at most `max_rows` of them (nothing
-        waiting, every running sequence one token behind): steps whose per-row results our
-        kernels make independent of the thread count."""
+    def next_step_rows_at_most(self, max_rows: int) -> bool:
+        """True when the next step will run at least one and at most `max_rows` rows (a bound:
+        every running and waiting sequence's next chunk, capped by the token budget). Steps up
+        to the Linear kernel's row limit give every row the same bits at any thread count."""
         sched = self.scheduler
-        return (not sched.waiting and 0 < len(sched.running) <= max_rows
-                and all(s.num_uncomputed == 1 for s in sched.running))
+        if not sched.running and not sched.waiting:
+            return False
+        rows = sum(s.num_schedulable for s in sched.running) + sum(s.num_schedulable for s in sched.waiting)
+        return min(rows, sched.budget) <= max_rows
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -71,12 +71,13 @@ class LaunchConfig:
     restart_backoff_s: float = opt(1.0, "with --supervise: wait before a restart, doubled per restart of that rank")
     cluster_secret: str = opt("", "shared secret every rank must prove (ZeroMQ CURVE on rank sockets); "
                                   "default $PDSERVE_CLUSTER_SECRET, passed to the ranks in their environment")
-    lend_decode_cores: bool = opt(True, "decode-only steps (at most 32 rows) run on the torch threads of this "
-                                        "host's idle ranks too; their rows get the same bits at any thread count")
-    lend_idle_cores: bool = opt(False, "every step runs on the threads of this host's idle ranks too (a lone "
-                                       "prompt prefills on every core). Off by default: oneDNN's GEMM rounds "
-                                       "differently at another thread count, so outputs then depend on timing "
-                                       "in their last bits (greedy text can differ)")
+    lend_cores: bool = opt(True, "steps of at most 1024 rows (decode batches, prefill chunks) run on the torch "
+                                 "threads of this host's idle ranks too (a lone prompt prefills on every "
+                                 "core); the kernels give their rows the same bits at any thread count")
+    lend_idle_cores: bool = opt(False, "every step, larger ones too, runs on the threads of this host's idle "
+                                       "ranks. Off by default: steps above 1024 rows use oneDNN's GEMM, which "
+                                       "rounds differently at another thread count, so outputs then depend on "
+                                       "timing in their last bits (greedy text can differ)")
 
     def __post_init__(self) -> None:
         if min(self.colocated, self.prefill, self.decode) < 0:
@@ -109,7 +110,7 @@ def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router
     if core_board and not launch.fake_ranks:  # slots: prefill (or colocated) ranks, then decode ranks
         cmd += ["--core-board", core_board, "--core-slot", str(index + (launch.prefill if role == "decode" else 0))]
         if launch.lend_idle_cores:
-            cmd += ["--lend-prefill"]
+            cmd += ["--lend-all"]
     if role in ("prefill", "decode"):
         cmd += ["--host", launch.prefill_host if role == "prefill" else launch.decode_host]
         for f in fields(HandoffConfig):
@@ -148,7 +149,7 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
     addr = dispatcher.bind()
     log.info("rank socket at %s%s", addr, " (CURVE, cluster secret)" if launch.cluster_secret else "")
     board = ""
-    if (launch.lend_decode_cores or launch.lend_idle_cores) and launch.num_ranks > 1 and engine_cfg.device == "cpu":
+    if (launch.lend_cores or launch.lend_idle_cores) and launch.num_ranks > 1 and engine_cfg.device == "cpu":
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         board = str(create_board(shm / f"pdserve-cores-{os.getpid()}", launch.num_ranks))
     sup = Supervisor(registry, lambda role, i: rank_command(engine_cfg, launch, role, i, addr, handoff, board),

@@ -1,11 +1,13 @@
-"""nn.Linear with a bandwidth-bound path for decode steps (a few rows, bf16, CPU).
+"""nn.Linear with its own bf16 CPU kernel for decode steps and prefill chunks.
 
 A decode step multiplies a handful of rows by every weight matrix once, so its
 time is the time to stream the weights from memory. `csrc/small_linear.cpp`
 (torch.ops.pdserve.small_linear: AMX tiles, else AVX512-BF16 dot products)
 streams them at close to the machine's read bandwidth, where oneDNN's bf16 GEMV
 reached about half of it, and gives each row the same result whatever batch it
-is in. Larger inputs (prefill chunks) keep torch's GEMM (oneDNN). The first call
+is in. Above 32 rows it runs an AMX GEMM (`csrc/amx_gemm.cpp`) with the same
+per-row bits, up to GEMM_ROWS; larger inputs, and every input above 32 rows on
+a CPU without AMX, keep torch's GEMM (oneDNN). The first call
 JIT-builds the kernel (`-march=native`); on a CPU or compiler without
 AVX512-BF16 the op says it is unsupported and torch's linear is used.
 Set PDSERVE_SMALL_LINEAR=0 to force torch's path (for comparison).
@@ -21,9 +23,13 @@ from torch import nn
 
 from engine.layers.jit import load_kernel
 
-# Rows up to which the kernel is used: decode batches. Prefill chunks (hundreds of
-# rows) are compute-bound and oneDNN's blocked GEMM is faster there.
+# Rows up to which the streaming kernel is used when the AMX GEMM is not available: decode
+# batches (oneDNN's blocked GEMM is faster for prefill chunks there).
 MAX_ROWS = 32
+# Rows up to which the kernel is used with the AMX GEMM: prefill chunks too. At 512-600 rows
+# it runs at oneDNN's speed (same-process alternation) and gives every row the same bits at
+# any thread count, which lets such steps borrow idle cores; at 2048 rows oneDNN is ~25% faster.
+GEMM_ROWS = 1024
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
@@ -32,7 +38,7 @@ def small_linear_available() -> bool:
     """True when the kernel is built and this CPU runs it (cached per process)."""
     if os.environ.get("PDSERVE_SMALL_LINEAR", "1") == "0":
         return False
-    load_kernel("engine.layers.linear", "small_linear_cpu", ["small_linear.cpp"], _CFLAGS, headers=["include/amx_tiles.h"])
+    load_kernel("engine.layers.linear", "small_linear_cpu", ["small_linear.cpp", "amx_gemm.cpp"], _CFLAGS, headers=["include/amx_tiles.h", "include/amx_gemm.h"])
     return bool(torch.ops.pdserve.small_linear_supported())
 
 
@@ -45,12 +51,29 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.pdserve.small_linear(x, weight, bias)
 
 
+@functools.cache
+def gemm_rows() -> int:
+    """Rows up to which Linear uses the kernel (cached per process): GEMM_ROWS where the AMX
+    GEMM runs (csrc/amx_gemm.cpp; PDSERVE_AMX_GEMM=0 turns it off), else MAX_ROWS."""
+    if (os.environ.get("PDSERVE_AMX_GEMM", "1") != "0" and small_linear_available()
+            and torch.ops.pdserve.small_linear_amx()):
+        return GEMM_ROWS
+    return MAX_ROWS
+
+
+def invariant_rows() -> int:
+    """Inputs up to this many rows give every row the same bits at any thread count and in any
+    batch (the kernel's paths); 0 when the kernel is not used here (torch's GEMM is not)."""
+    return gemm_rows() if small_linear_available() else 0
+
+
 class Linear(nn.Linear):
-    """Drop-in nn.Linear (same parameters and names) that routes decode-sized inputs to the kernel."""
+    """Drop-in nn.Linear (same parameters and names) that routes bf16 CPU inputs of up to
+    gemm_rows() rows to the kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (x.dim() == 2 and x.shape[0] <= MAX_ROWS and w.dtype == torch.bfloat16 and x.dtype == w.dtype
-                and w.device.type == "cpu" and small_linear_available()):
+        if (x.dim() == 2 and w.dtype == torch.bfloat16 and x.dtype == w.dtype and w.device.type == "cpu"
+                and x.shape[0] <= gemm_rows() and small_linear_available()):
             return small_linear(x.contiguous(), w, self.bias)
         return F.linear(x, w, self.bias)

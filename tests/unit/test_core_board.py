@@ -63,51 +63,83 @@ def test_launcher_gives_each_rank_its_slot():
     assert "--core-board" not in rank_command(EngineConfig(), launch, "prefill", 0, "ipc://x")
 
 
-def test_lend_prefill_flag_reaches_the_ranks():
+def test_lend_all_flag_reaches_the_ranks():
     launch = LaunchConfig(colocated=2, lend_idle_cores=True)
-    assert "--lend-prefill" in rank_command(EngineConfig(), launch, "colocated", 1, "ipc://x", core_board="/b")
-    assert "--lend-prefill" not in rank_command(EngineConfig(), LaunchConfig(colocated=2), "colocated", 1,
+    assert "--lend-all" in rank_command(EngineConfig(), launch, "colocated", 1, "ipc://x", core_board="/b")
+    assert "--lend-all" not in rank_command(EngineConfig(), LaunchConfig(colocated=2), "colocated", 1,
                                                 "ipc://x", core_board="/b")
 
 
-def test_prefill_steps_borrow_only_when_asked(tmp_path, threads):
+def test_steps_of_unstable_bits_borrow_only_when_asked(tmp_path, threads):
     path = create_board(tmp_path / "board", 2)
-    a, b = CoreBoard(path, 0, 1, 2, settle_s=0.0), CoreBoard(path, 1, 1, 2, settle_s=0.0, lend_prefill=True)
+    a, b = CoreBoard(path, 0, 1, 2, settle_s=0.0), CoreBoard(path, 1, 1, 2, settle_s=0.0, lend_all=True)
     a.idle()
     b.idle()
-    assert a.busy(decode_only=False) == 1 and a.busy(decode_only=True) == 2
+    assert a.busy(invariant=False) == 1 and a.busy(invariant=True) == 2
     a.idle()
-    assert b.busy(decode_only=False) == 2
+    assert b.busy(invariant=False) == 2
+    fp32 = CoreBoard(path, 0, 1, 2, settle_s=0.0, bf16=False)
+    assert a.invariant_rows >= 32 and fp32.invariant_rows == 0
 
 
-def test_decode_only_steps_give_the_same_bits_on_lent_threads(threads):
-    """The numerics contract that lets decode-only steps borrow threads by default: prompts
-    prefilled on one thread, then every decode step on 1 or 2 threads, give bitwise the same
-    tokens and logprobs (contexts past 1024 tokens, where 2 threads would cut split-K)."""
+def test_steps_give_the_same_bits_on_lent_threads(threads):
+    """The numerics contract that lets steps of up to `invariant_rows` rows borrow threads by
+    default: prompts run on 1 thread, or with every step that may borrow on 2 (prefill chunks
+    of one prompt or several, and decode batches at contexts past 1024 tokens, where 2 threads
+    would cut split-K), give bitwise the same tokens and logprobs."""
     from engine.config import EngineConfig as Cfg
+    from engine.layers.linear import invariant_rows
     from engine.layers.paged_attention_op import set_split_threads
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
+    limit = invariant_rows()
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (1500, 300, 1100)]
-    runs = []
+    prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (1500, 300, 1100, 530)]
+    runs, lent_steps = [], 0
     try:
         set_split_threads(1)
         for lent in (1, 2):
-            eng = LLMEngine(Cfg(num_threads=1, kv_cache_gb=0.25))
+            eng = LLMEngine(Cfg(num_threads=1, kv_cache_gb=0.25, max_num_batched_tokens=max(limit, 32)))
             params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
                       SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True, logprobs=2),
+                      SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)]
-            for i, (p, sp) in enumerate(zip(prompts, params)):
-                eng.add_request(f"r{i}", p, sp)
             out: dict[str, list] = {}
-            while eng.has_unfinished():
-                torch.set_num_threads(lent if eng.next_step_decodes_only(32) else 1)
-                for o in eng.step():
-                    out.setdefault(o.request_id, []).extend((t.token_id, t.logprob, t.top) for t in o.logprobs)
+            # The first three together (batched chunks), the last alone (one 530-row prefill).
+            for batch in ((0, 1, 2), (3,)):
+                for i in batch:
+                    eng.add_request(f"r{i}", prompts[i], params[i])
+                while eng.has_unfinished():
+                    borrow = eng.next_step_rows_at_most(limit)
+                    lent_steps += borrow and lent == 2
+                    torch.set_num_threads(lent if borrow else 1)
+                    for o in eng.step():
+                        out.setdefault(o.request_id, []).extend((t.token_id, t.logprob, t.top) for t in o.logprobs)
             runs.append(out)
             eng.close()
     finally:
         set_split_threads(0)
     assert runs[0] == runs[1] and all(len(v) == 12 for v in runs[0].values())
+    assert lent_steps >= 20  # decode steps, and with the AMX GEMM the prefill chunks too
+
+
+def test_the_step_row_bound():
+    from engine.config import EngineConfig as Cfg
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    eng = LLMEngine(Cfg(num_threads=1, kv_cache_gb=0.25, max_num_batched_tokens=64))
+    try:
+        assert not eng.next_step_rows_at_most(10**6)  # nothing to run
+        sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        eng.add_request("a", list(range(100, 140)), sp)
+        assert eng.next_step_rows_at_most(40) and not eng.next_step_rows_at_most(39)
+        eng.add_request("b", list(range(100, 150)), sp)
+        assert eng.next_step_rows_at_most(64) and not eng.next_step_rows_at_most(63)  # the budget caps it
+        eng.step()
+        assert eng.next_step_rows_at_most(64) and not eng.next_step_rows_at_most(26)  # 1 decode row + 26 prefill
+        eng.step()
+        assert eng.next_step_rows_at_most(2) and not eng.next_step_rows_at_most(1)  # two decode rows
+    finally:
+        eng.close()

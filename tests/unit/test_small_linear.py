@@ -77,9 +77,54 @@ def test_layer_routes_small_bf16_batches_to_the_kernel(monkeypatch):
     layer = Linear(64, 24, bias=True).to(torch.bfloat16).requires_grad_(False)
     calls = []
     monkeypatch.setattr(linear, "small_linear", lambda *a: calls.append(a[0].shape[0]) or small_linear(*a))
-    for m in (1, linear.MAX_ROWS, linear.MAX_ROWS + 1):
+    limit = linear.gemm_rows()
+    assert limit == (linear.GEMM_ROWS if torch.ops.pdserve.small_linear_amx() else linear.MAX_ROWS)
+    for m in (1, linear.MAX_ROWS, limit, limit + 1):
         x = bf16(m, 64, seed=m)
         torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(),
                                    atol=2e-2, rtol=2e-2)
     layer.float()(bf16(1, 64, seed=1).float())  # fp32 stays on torch's path
-    assert calls == [1, linear.MAX_ROWS]
+    assert calls == [1, linear.MAX_ROWS, limit]
+
+
+def test_without_the_amx_gemm_prefill_chunks_use_torch(monkeypatch):
+    monkeypatch.setenv("PDSERVE_AMX_GEMM", "0")
+    linear.gemm_rows.cache_clear()
+    try:
+        assert linear.gemm_rows() == linear.invariant_rows() == linear.MAX_ROWS
+    finally:
+        monkeypatch.delenv("PDSERVE_AMX_GEMM")
+        linear.gemm_rows.cache_clear()
+
+
+amx = pytest.mark.skipif(not small_linear_available() or not torch.ops.pdserve.small_linear_amx(),
+                         reason="no AMX tiles granted here")
+
+
+@amx
+@pytest.mark.parametrize("m,n,k,span", [(33, 48, 64, 33), (47, 40, 96, 16), (530, 960, 576, 64),
+                                        (100, 576, 1536, 32), (64, 17, 32, 16), (1400, 80, 576, 700)])
+def test_gemm_rows_equal_the_decode_path_bitwise(m, n, k, span):
+    """Above 32 rows the AMX GEMM runs (w packed per block, x rows as A tiles, spans of rows,
+    k in slices): every row gets exactly the bits the streaming path gives it in a small batch,
+    tails of rows (m % 16) and of columns (n % 16, on AVX-512) included, with a bias."""
+    x, w, b = bf16(m, k, seed=11), bf16(n, k, seed=12), bf16(n, seed=13)
+    big = small_linear(x, w, b)
+    torch.testing.assert_close(big.float(), reference(x, w, b).float(), atol=3e-2, rtol=8e-3)
+    pieces = torch.cat([small_linear(x[i:i + 16], w, b) for i in range(0, m, 16)])
+    assert torch.equal(big, pieces)
+    assert torch.equal(small_linear(x[:span], w, b), big[:span])
+
+
+@amx
+def test_gemm_bits_do_not_depend_on_the_thread_count():
+    x, w = bf16(530, 576, seed=14), bf16(960, 576, seed=15)
+    with_threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(small_linear(x, w))
+    finally:
+        torch.set_num_threads(with_threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
