@@ -54,8 +54,12 @@ constexpr int64_t kRows = 4;  // W rows per block (independent read streams)
 constexpr int64_t kXRows = 4;  // x rows per pass over a W block
 constexpr int64_t kGrainBytes = 64 * 1024;  // W bytes per parallel work chunk, at least
 // Above this many x rows the AMX GEMM (csrc/amx_gemm.cpp: w packed per block, reused
-// by every row) replaces the streaming path; both give every row the same bits.
-constexpr int64_t kGemmRows = 32;
+// by every row) replaces the streaming path for matrices up to kGemmMaxWeights; both give
+// every row the same bits. Same-process alternation (1 thread): the streaming path is
+// faster up to 64-128 rows (packing costs a pass over w) and at any row count tried (33-256)
+// for a 49,152 x 576 vocabulary head; the GEMM from 128-256 rows on for the layer shapes.
+constexpr int64_t kGemmRows = 128;
+constexpr int64_t kGemmMaxWeights = 8 << 20;
 
 #if defined(__AVX512BF16__)
 
@@ -272,7 +276,7 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
     auto* od = out.data_ptr<c10::BFloat16>();
     int64_t n0 = 0;
 #if defined(PDSERVE_AMX)
-    if (M > kGemmRows && amx_gemm(xd, wd, b, od, M, N, K))
+    if (M > kGemmRows && N * K <= kGemmMaxWeights && amx_gemm(xd, wd, b, od, M, N, K))
       n0 = N / 16 * 16;
     else
       n0 = run_amx(xd, wd, b, od, M, N, K);

@@ -8,8 +8,9 @@ a rank marks itself busy and runs the step on its own threads plus those of ever
 for at least `settle_s`; when it runs out of work it marks itself idle and drops back to its
 own threads.
 
-The cost of a wrong guess is bounded by one step: a peer that gets work marks itself busy
-before its first step, and the borrower drops back before its next one. `settle_s` keeps the
+The cost of a wrong guess is bounded by one layer: a peer that gets work marks itself busy
+before its first step, and the borrower, which rechecks the board between layers, drops back
+at its next layer boundary. `settle_s` keeps the
 short gaps of a busy rank (a request finishing just before the next arrives) from being lent.
 Numerics: by default only steps of at most `invariant_rows` rows borrow (1024 with the AMX
 GEMM, 32 without it: engine/layers/linear.py). Their ops give a row the same bits at any
@@ -94,6 +95,12 @@ class CoreBoard:
         lend = invariant or self.lend_all
         self._set(min(self.max, self.own * (1 + self.idle_peers())) if lend else self.own)
         return self.threads
+
+    def recheck(self) -> None:
+        """Between layers of a step: hand lent threads back once their owner has work (it marks
+        itself busy before its step), so two ranks share a core for at most one layer."""
+        if self.threads > self.own:
+            self._set(min(self.threads, self.own * (1 + self.idle_peers())))
 
     def idle(self) -> None:
         """Mark this rank idle (from now) and drop back to its own threads."""

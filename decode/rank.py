@@ -337,6 +337,8 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
         # Only the bf16 kernels are thread-count invariant: an fp32 model lends nothing by default.
         loop.board = CoreBoard(cfg.core_board, cfg.core_slot, torch_threads(), lend_all=cfg.lend_all,
                                bf16=engine is None or engine.cfg.dtype == "bfloat16")
+        if engine is not None:
+            engine.runner.model.between_layers = loop.board.recheck
         closers = (*closers, loop.board.close)
         log.info("core board %s slot %d: %d own thread(s), up to %d with idle peers for %s", cfg.core_board,
                  cfg.core_slot, loop.board.own, loop.board.max,

@@ -5,7 +5,7 @@ time is the time to stream the weights from memory. `csrc/small_linear.cpp`
 (torch.ops.pdserve.small_linear: AMX tiles, else AVX512-BF16 dot products)
 streams them at close to the machine's read bandwidth, where oneDNN's bf16 GEMV
 reached about half of it, and gives each row the same result whatever batch it
-is in. Above 32 rows it runs an AMX GEMM (`csrc/amx_gemm.cpp`) with the same
+is in. Above 128 rows it runs an AMX GEMM (`csrc/amx_gemm.cpp`) with the same
 per-row bits, up to GEMM_ROWS; larger inputs, and every input above 32 rows on
 a CPU without AMX, keep torch's GEMM (oneDNN). The first call
 JIT-builds the kernel (`-march=native`); on a CPU or compiler without

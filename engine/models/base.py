@@ -1,6 +1,8 @@
 """The decoder-only skeleton both families share: embed -> layers -> final norm -> lm_head."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -36,6 +38,9 @@ class DecoderLM(nn.Module):
         self.to(dtype)
         self.requires_grad_(False)
         self.embed_scale: torch.Tensor | None = None
+        # Called between layers when set (a rank's core board: a step on lent threads hands
+        # them back as soon as their owner has work, not only at the next step).
+        self.between_layers: Callable[[], object] | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -46,8 +51,11 @@ class DecoderLM(nn.Module):
         x = self.embed(fb.input_ids)
         fb.rope = {t: r.tables(fb.positions) for t, r in self.rotary.items()}
         residual = None  # layers return (output, residual stream); the next input norm adds them
+        hook = self.between_layers
         for layer in self.layers:
             x, residual = layer(x, residual, fb, pool)
+            if hook is not None:
+                hook()
         idx = fb.logits_indices
         return self.norm.add_norm(x[idx], residual[idx] if residual is not None else None)[0]
 

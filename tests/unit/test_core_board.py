@@ -43,6 +43,18 @@ def test_a_rank_borrows_the_threads_of_idle_peers(tmp_path, threads):
     assert b.busy() == 4 and b.idle_peers() == 1
 
 
+def test_lent_threads_go_back_between_layers_once_the_owner_is_busy(tmp_path, threads):
+    path = create_board(tmp_path / "board", 2)
+    a, b = CoreBoard(path, 0, 1, 2, settle_s=0.0), CoreBoard(path, 1, 1, 2, settle_s=0.0)
+    b.idle()
+    assert a.busy() == 2
+    a.recheck()
+    assert a.threads == 2 and torch.get_num_threads() == 2  # b still idle
+    b.busy()
+    a.recheck()
+    assert a.threads == 1 and torch.get_num_threads() == 1
+
+
 def test_threads_are_capped_and_bad_slots_refused(tmp_path, threads):
     path = create_board(tmp_path / "board", 2)
     a, b = CoreBoard(path, 0, own_threads=1, max_threads=1, settle_s=0.0), CoreBoard(path, 1, 1, 8, settle_s=0.0)

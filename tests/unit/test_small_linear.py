@@ -102,10 +102,10 @@ amx = pytest.mark.skipif(not small_linear_available() or not torch.ops.pdserve.s
 
 
 @amx
-@pytest.mark.parametrize("m,n,k,span", [(33, 48, 64, 33), (47, 40, 96, 16), (530, 960, 576, 64),
-                                        (100, 576, 1536, 32), (64, 17, 32, 16), (1400, 80, 576, 700)])
+@pytest.mark.parametrize("m,n,k,span", [(129, 48, 64, 33), (147, 40, 96, 16), (530, 960, 576, 64),
+                                        (200, 576, 1536, 32), (164, 17, 32, 16), (1400, 80, 576, 700)])
 def test_gemm_rows_equal_the_decode_path_bitwise(m, n, k, span):
-    """Above 32 rows the AMX GEMM runs (w packed per block, x rows as A tiles, spans of rows,
+    """Above 128 rows the AMX GEMM runs (w packed per block, x rows as A tiles, spans of rows,
     k in slices): every row gets exactly the bits the streaming path gives it in a small batch,
     tails of rows (m % 16) and of columns (n % 16, on AVX-512) included, with a bias."""
     x, w, b = bf16(m, k, seed=11), bf16(n, k, seed=12), bf16(n, seed=13)
