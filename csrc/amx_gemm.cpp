@@ -6,9 +6,10 @@
 // Tiles: A = 16 rows of x as they lie in memory (row stride K), B = 16 rows of w
 // repacked into the VNNI layout B[kp][n][j] = w[n][32 kc + 2 kp + j] (a 16 x 16
 // transpose of 32-bit pairs), C[m][n] = out rows directly (no transpose on the way
-// out). Each thread owns blocks of 32 w rows: it packs a block once into its own
-// buffer (L1-sized for K <= 576) and runs every 32-row block of x against it with
-// 2 x 2 tiles, one TDPBF16PS per 32 k per C tile.
+// out). Each thread owns blocks of 32 w rows and packs each once per call into its own
+// buffer; x is taken in spans of rows that fit L2, and k in 256-wide slices whose w
+// block (16 KB) stays in L1 while the span's 32-row blocks of x stream past it, 2 x 2
+// tiles, one TDPBF16PS per 32 k per C tile (partial sums kept in fp32 between slices).
 //
 // Numerics are small_linear's exactly: C[m][n] accumulates in fp32, one TDPBF16PS
 // per 32 k in increasing k, products of the same pairs in the same order (the

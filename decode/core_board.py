@@ -10,8 +10,8 @@ own threads.
 
 The cost of a wrong guess is bounded by one layer: a peer that gets work marks itself busy
 before its first step, and the borrower, which rechecks the board between layers, drops back
-at its next layer boundary. `settle_s` keeps the
-short gaps of a busy rank (a request finishing just before the next arrives) from being lent.
+at its next layer boundary. `settle_s` keeps the short gaps of a busy rank (a request
+finishing just before the next arrives) from being lent.
 Numerics: by default only steps of at most `invariant_rows` rows borrow (1024 with the AMX
 GEMM, 32 without it: engine/layers/linear.py). Their ops give a row the same bits at any
 thread count (small_linear and its AMX GEMM, prefill and paged attention, RMSNorm,
