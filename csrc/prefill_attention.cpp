@@ -5,6 +5,8 @@
 //   k, v [L, KVH, D] bf16, same layout; L >= n, H % KVH == 0, D % 32 == 0, D <= 256
 //   out  [n, H, D]   bf16 contiguous: query i attends keys 0 .. L - n + i (the chunk's own
 //                    keys are the last n; the first L - n are earlier context)
+//   window           > 0: sliding window, query i attends only keys above L - n + i - window
+//                    (a key no query sees may hold anything finite: zeros, say)
 //
 // Why: torch's CPU flash SDPA ran a 530-token SmolLM2 prefill's attention at ~100 GFLOP/s on
 // one core, a quarter of the prefill. Here both products run on the tile unit and the
@@ -23,6 +25,12 @@
 // Finally out = O^T transposed / l. Accumulation is fp32; P is rounded to bf16 for the
 // product with V (as torch's bf16 flash path does). Not bitwise torch's: tests compare with
 // an fp32 reference within bf16 tolerance.
+//
+// A query's result depends only on its keys' values and their indices mod 32: a 32-key step in
+// which it sees no key changes nothing of its state (p = 0 exactly, alpha = 1 once it has seen
+// a key), so steps no query of a block sees are skipped. Hence a sequence cut into chunks gets
+// the bits it gets in one chunk, provided key 0 of each call sits at a position that is a
+// multiple of 32 (engine/layers/attention.py pads sliding-window context down to one).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -60,6 +68,7 @@ struct Args {
   const uint16_t *q, *k, *v;
   int64_t q_tok, k_tok, v_tok;  // token strides (elements)
   int64_t n, L, H, KVH, D;
+  int64_t window;  // 0: none
   float scale;
   c10::BFloat16* out;  // [n, H, D]
 };
@@ -117,10 +126,17 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
   }
   const int64_t last_key = std::min(a.L - 1, offset + r0 + 15);  // the block's last query's last key
   const int64_t steps = std::min(steps_all, last_key / 32 + 1);
+  // With a window, query q sees keys from offset + r0 + q - window + 1; steps below the block's
+  // first query's first key are skipped.
+  const int64_t first_key = a.window > 0 ? offset + r0 - a.window + 1 : 0;
+  const int64_t st0 = first_key > 0 ? first_key / 32 : 0;
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // Query q's last key: min(offset + r0 + q, L - 1).
   const __m512i limit = _mm512_min_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32((int)(offset + r0))),
                                          _mm512_set1_epi32((int)(a.L - 1)));
+  // Query q's first key (window): first_key + q; without one, every key from 0.
+  const __m512i lower = a.window > 0 ? _mm512_add_epi32(lane, _mm512_set1_epi32((int)std::max<int64_t>(first_key, -(1 << 29))))
+                                     : _mm512_set1_epi32(-(1 << 29));
   const __m512 scale = _mm512_set1_ps(a.scale);
   alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -139,9 +155,10 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
       _tile_dpbf16ps(1, 6, 5);
     }
   };
-  scores(0, 0);
-  for (int64_t st = 0; st < steps; ++st) {
-    const bool edge = 32 * st + 31 > offset + r0 || 32 * st + 31 >= a.L;  // some key past some query's limit
+  scores(st0, 0);
+  for (int64_t st = st0; st < steps; ++st) {
+    // Some key past some query's limit, or (window) below some query's first key.
+    const bool edge = 32 * st + 31 > offset + r0 || 32 * st + 31 >= a.L || (a.window > 0 && 32 * st < first_key + 15);
     for (int64_t hi = 0; hi < G; ++hi) {
       HeadState& h = hs[hi];
       _tile_stored(0, s, 64);
@@ -154,7 +171,9 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
       __m512 mx4[4] = {h.m, h.m, h.m, h.m};
       if (edge) {
         for (int64_t j = 0; j < 32; ++j) {
-          const __mmask16 ok = _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(32 * st + j)), limit, _MM_CMPINT_LE);
+          const __m512i key = _mm512_set1_epi32((int)(32 * st + j));
+          const __mmask16 ok = _mm512_cmp_epi32_mask(key, limit, _MM_CMPINT_LE) &
+                               _mm512_cmp_epi32_mask(key, lower, _MM_CMPINT_NLT);
           const __m512 x = _mm512_mask_blend_ps(ok, neg_inf, _mm512_load_ps(s + j * 16));
           _mm512_store_ps(s + j * 16, x);
           mx4[j & 3] = _mm512_max_ps(mx4[j & 3], x);
@@ -163,7 +182,10 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
         for (int64_t j = 0; j < 32; ++j) mx4[j & 3] = _mm512_max_ps(mx4[j & 3], _mm512_load_ps(s + j * 16));
       }
       const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
-      const __m512 alpha = exp16(_mm512_mul_ps(_mm512_sub_ps(h.m, mx), scale));  // m = -inf at the first step: ~0
+      // m = -inf at a query's first seen key: ~0; no key seen yet (window): 1, not exp(NaN).
+      const __m512 alpha = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, neg_inf, _CMP_EQ_OQ),
+                                                exp16(_mm512_mul_ps(_mm512_sub_ps(h.m, mx), scale)),
+                                                _mm512_set1_ps(1.f));
       h.m = mx;
       const __m512 mxs = _mm512_mul_ps(mx, scale);
       __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
@@ -258,7 +280,8 @@ bool prefill_attention_supported() {
 #endif
 }
 
-at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                 int64_t window) {
   TORCH_CHECK(prefill_attention_supported(), "prefill_attention: built without AMX or AMX not granted");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: q [n, H, D], k/v [L, KVH, D]");
   for (const at::Tensor* t : {&q, &k, &v})
@@ -269,12 +292,13 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
               "prefill_attention: shapes q ", q.sizes(), " k ", k.sizes(), " v ", v.sizes());
   TORCH_CHECK(D % 32 == 0 && D <= 256, "prefill_attention: head dim must be a multiple of 32, at most 256");
   TORCH_CHECK(L < (int64_t(1) << 30), "prefill_attention: context too long");
+  TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0");
   at::Tensor out = at::empty({n, H, D}, q.options());
 #if defined(PDSERVE_PREFILL_AMX)
   if (n) {
     Args a{static_cast<const uint16_t*>(q.data_ptr()), static_cast<const uint16_t*>(k.data_ptr()),
            static_cast<const uint16_t*>(v.data_ptr()), q.stride(0), k.stride(0), v.stride(0), n, L, H, KVH, D,
-           static_cast<float>(scale), out.data_ptr<c10::BFloat16>()};
+           window, static_cast<float>(scale), out.data_ptr<c10::BFloat16>()};
     run(a);
   }
 #endif
@@ -284,7 +308,7 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
 }  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int window=0) -> Tensor");
   m.def("prefill_attention_supported() -> bool", &pdserve::prefill_attention_supported);
 }
 

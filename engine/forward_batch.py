@@ -1,8 +1,8 @@
 """Per-step attention metadata: which KV slots each token writes and which keys each reads.
 
-A step runs a flat list of T tokens. Sequences with one new token (decodes, or
-a one-token chunk) come first and are attended as one padded batch; each
-sequence with more new tokens (a prefill chunk) is attended on its own.
+A step runs a flat list of T tokens. Decode entries (one generated token) come
+first and are attended as one padded batch; each prefill chunk (prompt tokens,
+even a single one) is attended on its own.
 
 Full-attention layers: new K/V are written into the sequence's pages first, then
 each query reads keys [0, its position] through the page table.
@@ -57,7 +57,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     write_page: torch.Tensor  # [T] page id per token (full layers)
     write_off: torch.Tensor  # [T] offset within the page
-    num_decode: int  # B: the first B tokens are one-token sequences
+    num_decode: int  # B: the first B tokens are decode entries (one generated token each)
     dec_pages: torch.Tensor | None  # [B, Pmax] page table (padded with page 0)
     dec_ctx: torch.Tensor | None  # [B] keys per sequence incl. the new token (full layers)
     dec_slots: torch.Tensor | None  # [B, 1] SWA slot per sequence, a one-page table into the rings
@@ -140,8 +140,8 @@ def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, w
                 sw_tok.append(start + j)
         ctx = nc + n
         num_ctx_pages = -(-ctx // page_size)
-        if n == 1:
-            assert len(prefills) == 0, "one-token sequences must come first"
+        if seq.decodes(n):
+            assert len(prefills) == 0, "decode entries must come first"
             num_decode += 1
             dec_tables.append(pages[:num_ctx_pages])
             dec_ctx.append(ctx)

@@ -8,7 +8,8 @@ Each step:
      recompute prompt + generated tokens), until it fits or is itself preempted.
   2. Waiting sequences are admitted in arrival order while budget, sequence slots,
      pages and SWA slots last; the first that does not fit stops admission (FCFS).
-  3. One-token entries go first in the step (they attend as one padded batch).
+  3. Decode entries (one generated token) go first in the step (they attend as one padded
+     batch); prompt tokens, even a one-token chunk, run as prefill chunks.
 """
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ class Scheduler:
                 self.running.append(seq)
                 scheduled.append((seq, n))
                 budget -= n
-        scheduled.sort(key=lambda e: e[1] != 1)  # stable: one-token entries first
+        scheduled.sort(key=lambda e: not e[0].decodes(e[1]))  # stable: decode entries first
         return SchedulerOutput(scheduled, preempted)
 
     def finish(self, seq: Sequence) -> None:

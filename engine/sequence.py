@@ -67,6 +67,13 @@ class Sequence:
             n = min(n, self.store_points[0] - self.num_computed)
         return n
 
+    def decodes(self, n: int) -> bool:
+        """Whether a step computing `n` tokens of this sequence is a decode entry: one generated
+        token (the one-token batch, paged decode attention). Prompt tokens always run as a
+        prefill chunk, even one alone, so a prompt's bits do not depend on where the scheduler
+        cut it (budget left over, host-cache store points)."""
+        return n == 1 and self.num_computed >= len(self.prompt_ids)
+
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED

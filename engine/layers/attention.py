@@ -82,10 +82,11 @@ class PagedAttention(torch.nn.Module):
         fused = bool(fb.prefills) and prefill_kernel_usable(q)
         for p in fb.prefills:
             s, n = p.start, p.length
+            if fused:  # the AMX kernel, windowed: a chunk gets the bits it would get in one piece
+                kk, vv = self._window_keys(ring[p.swa_slot], k[s:s + n], v[s:s + n], p.ctx - n, w)
+                out[s:s + n] = prefill_attention(q[s:s + n], kk, vv, self.scale, w)
+                continue
             if p.swa_mask is None:  # a first chunk within the window: causal over its own keys
-                if fused:
-                    out[s:s + n] = prefill_attention(q[s:s + n], k[s:s + n], v[s:s + n], self.scale)
-                    continue
                 kk, vv = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)  # [KVH, n, D]
                 o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, None, self.scale, causal=True)
             elif not p.has_context:  # a first chunk longer than the window: nothing in the ring yet
@@ -102,6 +103,21 @@ class PagedAttention(torch.nn.Module):
             ring[slot, 0, idx] = k[tok]
             ring[slot, 1, idx] = v[tok]
         return out
+
+    @staticmethod
+    def _window_keys(old: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nc: int, w: int):
+        """Keys and values for the windowed kernel, a chunk of new tokens at positions nc ...:
+        from position a (the first one the chunk's first query sees, rounded down to a multiple
+        of 32, so key steps fall where they fall in a one-piece prefill) up to its last token.
+        Positions below nc come from the ring `old` [2, W, KVH, D] (position p at p % W); the
+        ones no query sees (below nc - w + 1) are zeros."""
+        if nc == 0:
+            return k, v
+        lo = max(0, nc - w + 1)
+        a = lo // 32 * 32
+        idx = torch.arange(lo, nc, device=k.device) % w
+        pad = k.new_zeros(lo - a, *k.shape[1:])
+        return (torch.cat([pad, old[0, idx], k]), torch.cat([pad, old[1, idx], v]))
 
     def _first_chunk_blocked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int) -> torch.Tensor:
         """Sliding-window attention of a sequence's first n > w tokens: [n, H, D] -> [H, n, D].

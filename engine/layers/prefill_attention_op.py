@@ -34,8 +34,11 @@ def usable(q: torch.Tensor) -> bool:
             and prefill_attention_available())
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      window: int = 0) -> torch.Tensor:
     """q [n, H, D], k/v [L, KVH, D] (bf16, each token's heads contiguous; L >= n) -> [n, H, D]:
     softmax(scale * q k^T) v with query i seeing keys 0 .. L - n + i (the chunk's keys are the
-    last n). Accumulates in fp32. Mutates nothing. Raises RuntimeError on bad shapes or layouts."""
-    return torch.ops.pdserve.prefill_attention(q, k, v, scale)
+    last n), and with window > 0 only those above L - n + i - window. Accumulates in fp32.
+    A query's bits depend on its keys and their indices mod 32 only, not on the chunk it is
+    in. Mutates nothing. Raises RuntimeError on bad shapes or layouts."""
+    return torch.ops.pdserve.prefill_attention(q, k, v, scale, window)

@@ -11,8 +11,8 @@ from engine.layers.prefill_attention_op import prefill_attention, prefill_attent
 pytestmark = pytest.mark.skipif(not prefill_attention_available(), reason="needs a CPU with AMX")
 
 
-def reference(q, k, v, scale):
-    """fp32 softmax(scale q k^T) v, query i seeing keys 0 .. L - n + i."""
+def reference(q, k, v, scale, window=0):
+    """fp32 softmax(scale q k^T) v, query i seeing keys 0 .. L - n + i (above L - n + i - window)."""
     n, heads, _ = q.shape
     ctx, kv_heads, _ = k.shape
     g = heads // kv_heads
@@ -21,6 +21,8 @@ def reference(q, k, v, scale):
     s = qf @ kf.transpose(1, 2) * scale
     i, j = torch.arange(n).unsqueeze(1), torch.arange(ctx).unsqueeze(0)
     s = s.masked_fill(j > ctx - n + i, float("-inf"))
+    if window:
+        s = s.masked_fill(j <= ctx - n + i - window, float("-inf"))
     return (s.softmax(-1) @ vf).transpose(0, 1)
 
 
@@ -43,6 +45,31 @@ def test_matches_fp32_reference(n, ctx, heads, kv_heads, d):
     torch.testing.assert_close(got.float(), reference(q, k, v, scale), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("n,ctx,window", [(530, 530, 512), (700, 700, 64), (100, 700, 512), (1, 600, 512),
+                                          (33, 100, 40), (17, 40, 1), (300, 300, 600)])
+def test_sliding_window_matches_fp32_reference(n, ctx, window):
+    q, k, v = qkv_views(n, ctx, 4, 1, 256, seed=n + ctx + window)
+    got = prefill_attention(q, k, v, 0.0625, window)
+    torch.testing.assert_close(got.float(), reference(q, k, v, 0.0625, window), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("window", [0, 512, 100])
+def test_a_chunk_gets_the_bits_of_the_whole(window):
+    """Queries cut into chunks (each chunk's keys: from a multiple of 32 up to its last query,
+    the window's unseen keys zeroed) give bitwise what the one-chunk call gives them."""
+    n = 1300
+    q, k, v = qkv_views(n, n, 4, 1, 256, seed=3)
+    whole = prefill_attention(q, k, v, 0.0625, window)
+    for c0, c1 in [(0, 384), (384, 768), (768, 1299), (1299, 1300), (600, 601), (1000, 1100)]:
+        a = max(0, c0 - window + 1) // 32 * 32 if window else 0
+        kk, vv = k[a:c1].clone(), v[a:c1].clone()
+        if window:  # keys no query of the chunk sees: zeros, as the ring gives garbage there
+            dead = max(0, c0 - window + 1) - a
+            kk[:dead], vv[:dead] = 0, 0
+        got = prefill_attention(q[c0:c1], kk, vv, 0.0625, window)
+        assert torch.equal(got, whole[c0:c1]), (c0, c1)
+
+
 def test_first_query_sees_only_the_context_up_to_its_position():
     """A value that only a future key carries must not leak into earlier queries."""
     n, d = 20, 64
@@ -53,7 +80,7 @@ def test_first_query_sees_only_the_context_up_to_its_position():
     assert out[-1].float().mean().item() == pytest.approx(1000.0 / n, rel=1e-2)
 
 
-@pytest.mark.parametrize("bad", ["fp32", "head_dim", "short_context", "heads"])
+@pytest.mark.parametrize("bad", ["fp32", "head_dim", "short_context", "heads", "window"])
 def test_bad_inputs_raise(bad):
     q, k, v = qkv_views(8, 8, 4, 2, 64, seed=0)
     if bad == "fp32":
@@ -62,10 +89,10 @@ def test_bad_inputs_raise(bad):
         q, k, v = (t[..., :48].contiguous() for t in (q, k, v))
     elif bad == "short_context":
         k, v = k[:4], v[:4]
-    else:
+    elif bad == "heads":
         q = q[:, :3]
     with pytest.raises(RuntimeError):
-        prefill_attention(q, k, v, 0.125)
+        prefill_attention(q, k, v, 0.125, -1 if bad == "window" else 0)
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma-3-270m"])
@@ -93,8 +120,8 @@ def test_engine_prefill_with_kernel_matches_sdpa_path(model, monkeypatch):
         return dict(eng.generate([prompt], params)[0].logprobs[0].top)
 
     # 150 tokens in chunks of 64: the second and third attend over earlier context (the masked
-    # path; Gemma's sliding layers keep SDPA there, its first chunk fits the window and takes the
-    # kernel). The two paths round differently (bf16), so compare distributions, not bits.
+    # path; Gemma's sliding layers take the kernel with its window, their keys padded down to a
+    # multiple of 32). The two paths round differently (bf16), so compare distributions, not bits.
     a = first_token_top5(True)
     assert 64 in calls and 150 in calls  # the kernel ran on a first chunk and over context
     calls.clear()

@@ -1,0 +1,46 @@
+"""A prompt's tokens and logprobs do not depend on how the scheduler cut it into chunks or on
+what else shared its steps, as long as every step stays within `invariant_rows()` (the
+kernels' paths: the AMX GEMM and streaming linear, AMX prefill attention, paged attention).
+
+This is what makes PD output equal colocated output under load: a colocated rank's chunk
+boundaries depend on how many decode rows shared the step's token budget, a prefill rank's
+do not."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.layers.linear import invariant_rows
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def _run(prompts, budget: int, together: bool, model: str | None = None) -> dict[str, list]:
+    kw = {"model": model} if model else {}
+    eng = LLMEngine(EngineConfig(num_threads=1, kv_cache_gb=0.25, max_num_batched_tokens=budget, **kw))
+    out: dict[str, list] = {}
+    try:
+        groups = [list(range(len(prompts)))] if together else [[i] for i in range(len(prompts))]
+        for group in groups:
+            for i in group:
+                eng.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=6, temperature=0,
+                                                                     ignore_eos=True, logprobs=2))
+            while eng.has_unfinished():
+                for o in eng.step():
+                    out.setdefault(o.request_id, []).extend((t.token_id, t.logprob, t.top) for t in o.logprobs)
+    finally:
+        eng.close()
+    return out
+
+
+@pytest.mark.parametrize("model", [None, "gemma-3-270m"], ids=["smollm2", "gemma3"])
+def test_chunking_and_batching_leave_the_bits_alone(model):
+    limit = invariant_rows()
+    if limit < 1024:
+        pytest.skip("needs the AMX GEMM (steps of up to 1024 rows on the kernels' paths)")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (1300, 530, 90)]
+    alone = _run(prompts, limit, together=False, model=model)  # chunks of 1024 (+276), 530, 90
+    mixed = _run(prompts, 384, together=True, model=model)  # chunks of 384 next to other prompts and decodes
+    assert alone == mixed and all(len(v) == 6 for v in alone.values())
