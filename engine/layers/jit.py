@@ -6,9 +6,15 @@ its ops under `torch.ops.pdserve`. The hash covers the sources and headers, the
 flags and the torch version, and, for `-march=native` builds, the CPU model and
 feature flags (such code is only valid where they match): an edit, an upgrade or
 another machine rebuilds; later processes load the cached library.
+
+Processes that start together (the ranks) build once: the first takes an flock on the
+directory, the others wait for it and load what it built. torch's own build lock is a plain
+file that a process killed mid-build leaves behind, and every later load would wait on it
+forever; under the flock no one else is building, so a leftover one is removed.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -63,13 +69,16 @@ def load_kernel(who: str, variant: str, sources: Sequence[str], cflags: Sequence
         digest.update(b"\0" + cpu_id().encode())
     build_dir = cache_root() / "kernels" / f"{variant}-{digest.hexdigest()[:12]}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=f"pdserve_{variant}",
-        sources=[str(CSRC / rel) for rel in sources],
-        extra_cflags=list(cflags),
-        extra_cuda_cflags=list(cuda_cflags),
-        extra_ldflags=list(ldflags),
-        extra_include_paths=[str(CSRC / "include")],
-        build_directory=str(build_dir),
-        is_python_module=False,  # the library registers its ops in torch.ops.pdserve
-    )
+    with open(build_dir / "pdserve.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released when this process exits, however it exits
+        (build_dir / "lock").unlink(missing_ok=True)  # torch's, left by a build that was killed
+        cpp_extension.load(
+            name=f"pdserve_{variant}",
+            sources=[str(CSRC / rel) for rel in sources],
+            extra_cflags=list(cflags),
+            extra_cuda_cflags=list(cuda_cflags),
+            extra_ldflags=list(ldflags),
+            extra_include_paths=[str(CSRC / "include")],
+            build_directory=str(build_dir),
+            is_python_module=False,  # the library registers its ops in torch.ops.pdserve
+        )

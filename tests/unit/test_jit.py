@@ -1,0 +1,56 @@
+"""The kernels' JIT loader (engine/layers/jit.py): one build at a time per directory, and a
+build killed half-way does not block every later start."""
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from torch.utils import cpp_extension
+
+from engine.layers import jit
+
+
+def _fake_load(seen: list):
+    def load(**kw):
+        d = Path(kw["build_directory"])
+        seen.append((d, (d / "lock").exists()))
+    return load
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    seen: list = []
+    monkeypatch.setattr(cpp_extension, "load", _fake_load(seen))
+    jit.load_kernel("test", "activation_cpu", ["activation.cpp"], ("-O3",))
+    build_dir = seen[0][0]
+    assert build_dir.parent == tmp_path / "kernels"
+    (build_dir / "lock").write_text("")  # torch's FileBaton of a process that died mid-build
+    jit.load_kernel("test", "activation_cpu", ["activation.cpp"], ("-O3",))
+    assert seen[1] == (build_dir, False)
+
+
+def test_a_second_loader_waits_for_the_build_in_progress(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    seen: list = []
+    monkeypatch.setattr(cpp_extension, "load", _fake_load(seen))
+    jit.load_kernel("test", "activation_cpu", ["activation.cpp"], ("-O3",))
+    build_dir = seen[0][0]
+    # Another process holds the flock (a build in progress) for 1.5 s.
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(build_dir / 'pdserve.flock')!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "print('held', flush=True); time.sleep(1.5)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        jit.load_kernel("test", "activation_cpu", ["activation.cpp"], ("-O3",))
+        assert time.monotonic() - t0 > 0.5 and len(seen) == 2
+    finally:
+        holder.wait(timeout=10)
+        holder.stdout.close()
+    # Free again: no wait.
+    with open(build_dir / "pdserve.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
