@@ -8,35 +8,37 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from torch.utils import cpp_extension
 
 from engine.layers import jit
 
 
-def _fake_load(seen: list):
+@pytest.fixture
+def seen(tmp_path, monkeypatch) -> list:
+    """(build directory, torch's lock present) per cpp_extension.load call (faked: no build);
+    one load done, so seen[0][0] is the directory."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    calls: list = []
+
     def load(**kw):
         d = Path(kw["build_directory"])
-        seen.append((d, (d / "lock").exists()))
-    return load
+        calls.append((d, (d / "lock").exists()))
 
-
-def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    seen: list = []
-    monkeypatch.setattr(cpp_extension, "load", _fake_load(seen))
+    monkeypatch.setattr(cpp_extension, "load", load)
     jit.load_kernel("test", "activation_cpu", ["activation.cpp"], ("-O3",))
+    assert calls[0][0].parent == tmp_path / "kernels"
+    return calls
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(seen):
     build_dir = seen[0][0]
-    assert build_dir.parent == tmp_path / "kernels"
     (build_dir / "lock").write_text("")  # torch's FileBaton of a process that died mid-build
     jit.load_kernel("test", "activation_cpu", ["activation.cpp"], ("-O3",))
     assert seen[1] == (build_dir, False)
 
 
-def test_a_second_loader_waits_for_the_build_in_progress(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    seen: list = []
-    monkeypatch.setattr(cpp_extension, "load", _fake_load(seen))
-    jit.load_kernel("test", "activation_cpu", ["activation.cpp"], ("-O3",))
+def test_a_second_loader_waits_for_the_build_in_progress(seen):
     build_dir = seen[0][0]
     # Another process holds the flock (a build in progress) for 1.5 s.
     holder = subprocess.Popen([sys.executable, "-c", (
