@@ -31,10 +31,9 @@ class PrefillMeta:
     ctx: int  # full layers' keys: num_computed + length (the chunk's own keys are the last `length`)
     pages: torch.Tensor  # [num_pages] covering positions [0, ctx)
     swa_slot: int
-    # [1, 1, length, window + length] additive float; None when the chunk starts the sequence and
-    # fits the window (nothing in the ring yet, no key out of reach: plain causal over its own keys)
-    swa_mask: torch.Tensor | None
+    window: int = 0  # the sliding-window layers' window (0: the model has none)
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    _swa_mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def has_context(self) -> bool:
@@ -49,6 +48,21 @@ class PrefillMeta:
             q_pos = torch.arange(self.ctx - self.length, self.ctx)
             self._mask = _additive(torch.arange(self.ctx).unsqueeze(0) <= q_pos.unsqueeze(1), dtype).to(device)
         return self._mask
+
+    @property
+    def within_window(self) -> bool:
+        """A first chunk that fits the window: nothing in the ring yet and no key out of reach,
+        so sliding-window layers attend causally over its own keys, without a mask."""
+        return not self.has_context and self.length <= self.window
+
+    def window_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[1, 1, length, window + length] additive visibility of (the ring as it was, the new
+        keys) for sliding-window layers on SDPA; built on first use and kept for the step's other
+        layers (the AMX prefill kernel needs none)."""
+        if self._swa_mask is None:
+            nc = self.ctx - self.length
+            self._swa_mask = _additive(_ring_mask(nc, torch.arange(nc, self.ctx), self.window), dtype).to(device)
+        return self._swa_mask
 
 
 @dataclass
@@ -101,9 +115,9 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, window: int,
-                        needs_logits: list[bool], device: torch.device,
-                        dtype: torch.dtype = torch.float32) -> ForwardBatch:
-    """Flatten `scheduled` (one-token entries first) into tensors for one model step.
+                        needs_logits: list[bool], device: torch.device) -> ForwardBatch:
+    """Flatten `scheduled` (decode entries first) into tensors for one model step; the masks that
+    torch's SDPA paths need are built on first use (PrefillMeta.full_mask / window_mask).
 
     Precondition: every sequence has pages for num_computed + n tokens and, for
     sliding models, an SWA slot.
@@ -148,12 +162,9 @@ def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, w
             if window:
                 dec_slots.append(seq.swa_slot)
         else:
-            swa_mask = None
-            if window and not (nc == 0 and n <= window):
-                swa_mask = _additive(_ring_mask(nc, torch.arange(nc, ctx), window), dtype)
             prefills.append(PrefillMeta(
                 start=start, length=n, ctx=ctx, pages=torch.tensor(pages[:num_ctx_pages], dtype=torch.long),
-                swa_slot=seq.swa_slot if window else -1, swa_mask=swa_mask))
+                swa_slot=seq.swa_slot if window else -1, window=window))
     dec_pages = dec_ctx_t = dec_slot_t = dec_swa_ctx = None
     if num_decode:
         pmax = max(len(t) for t in dec_tables)
@@ -164,7 +175,7 @@ def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, w
             dec_swa_ctx = dec_ctx_t.clamp(max=window)
     to = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
     for p in prefills:
-        p.pages, p.swa_mask = to(p.pages), to(p.swa_mask)
+        p.pages = to(p.pages)
     lt = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     return ForwardBatch(
         input_ids=lt(ids), positions=lt(pos), write_page=lt(wpage), write_off=lt(woff),

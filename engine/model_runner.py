@@ -55,8 +55,7 @@ class ModelRunner:
         Advances num_computed of every scheduled sequence.
         """
         needs = [seq.num_computed + n == seq.num_tokens for seq, n in scheduled]
-        fb = build_forward_batch(scheduled, self.cfg.page_size, self.pool.window, needs, self.device,
-                                 self.cfg.torch_dtype)
+        fb = build_forward_batch(scheduled, self.cfg.page_size, self.pool.window, needs, self.device)
         hidden = self.model(fb, self.pool)
         for seq, n in scheduled:
             seq.num_computed += n

@@ -86,7 +86,7 @@ class PagedAttention(torch.nn.Module):
                 kk, vv = self._window_keys(ring[p.swa_slot], k[s:s + n], v[s:s + n], p.ctx - n, w)
                 out[s:s + n] = prefill_attention(q[s:s + n], kk, vv, self.scale, w)
                 continue
-            if p.swa_mask is None:  # a first chunk within the window: causal over its own keys
+            if p.within_window:  # causal over its own keys
                 kk, vv = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)  # [KVH, n, D]
                 o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, None, self.scale, causal=True)
             elif not p.has_context:  # a first chunk longer than the window: nothing in the ring yet
@@ -95,7 +95,7 @@ class PagedAttention(torch.nn.Module):
                 old = ring[p.swa_slot]  # [2, W, KVH, D]
                 kk = torch.cat([old[0], k[s:s + n]]).transpose(0, 1)  # [KVH, W+n, D]
                 vv = torch.cat([old[1], v[s:s + n]]).transpose(0, 1)
-                o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, p.swa_mask, self.scale)
+                o = _sdpa(q[s:s + n].transpose(0, 1), kk, vv, p.window_mask(q.dtype, q.device), self.scale)
             out[s:s + n] = o.transpose(0, 1)
         # Prefill chunks write only after all their queries have read the old ring.
         if fb.prefills:
