@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -40,16 +39,18 @@ def test_a_lock_left_by_a_killed_build_is_removed(seen):
 
 def test_a_second_loader_waits_for_the_build_in_progress(seen):
     build_dir = seen[0][0]
-    # Another process holds the flock (a build in progress) for 1.5 s.
+    # Another process holds the flock (a build in progress) for a while, and writes `done` just
+    # before it lets go: a loader that waited for it finds the file.
+    done = build_dir / "done"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, sys, time\n"
+        "import fcntl, pathlib, time\n"
         f"f = open({str(build_dir / 'pdserve.flock')!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX)\n"
-        "print('held', flush=True); time.sleep(1.5)")], stdout=subprocess.PIPE, text=True)
+        f"print('held', flush=True); time.sleep(1.0); pathlib.Path({str(done)!r}).write_text('')")],
+        stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        t0 = time.monotonic()
         jit.load_kernel("test", "activation_cpu", ["activation.cpp"], ("-O3",))
-        assert time.monotonic() - t0 > 0.5 and len(seen) == 2
+        assert done.exists() and len(seen) == 2
     finally:
         holder.wait(timeout=10)
         holder.stdout.close()
