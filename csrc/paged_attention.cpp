@@ -11,15 +11,18 @@
 //   out        [B, H, D]                      softmax(scale * q.k) @ v, q's dtype
 //   D must be a multiple of 32 and at most 512.
 //
-// A work item is (sequence, kv head, context chunk). It streams its tokens in
-// tiles of kTile: score every K row against all G = H / KVH query heads of that kv
-// head, update the running max and denominator (online softmax), then add the
-// weighted V rows into G fp32 accumulators held in registers across the tile.
-// K/V rows are converted to fp32 as they are loaded; the next tile's rows are
-// prefetched while this one is read. When there are fewer (sequence, kv head)
-// pairs than threads, long contexts are cut into chunks whose partial softmax
-// states are merged at the end (split-K, "flash-decoding"). Threads pull items
-// from a shared counter, so ragged context lengths balance themselves.
+// A work item is (sequence, context chunk). It streams its tokens in tiles of
+// kTile, visiting each tile once per kv head in turn (the tile's slots stay in
+// cache between heads): score every K row against all G = H / KVH query heads of
+// that kv head (16 rows' partial sums reduced together, in a scalar fold's order),
+// update the running max and denominator (online softmax), then add the weighted V
+// rows into the fp32 accumulators of up to four heads at once, held in registers
+// across the tile (each V row converted once for them). K/V rows are converted to
+// fp32 as they are loaded; each head's rows of the next tile are prefetched while
+// that head reads this one. When there are fewer sequences than threads, long
+// contexts are cut into chunks whose partial softmax states are merged at the end
+// (split-K, "flash-decoding"). Threads pull items from a shared counter, so ragged
+// context lengths balance themselves.
 //
 // Vector code uses the GCC/Clang vector extensions (16-float vectors, lowered to
 // whatever the -march allows), not per-ISA intrinsics; only fp16 loads use F16C.
@@ -53,8 +56,11 @@ namespace {
 constexpr int64_t kTile = 64;  // tokens per online-softmax step
 constexpr int64_t kLanes = 16;  // floats per vector
 constexpr int64_t kMaxVecs = 32;  // D <= 512
+// V accumulators of up to kMaxHeads query heads stay in registers together (kMaxAccVecs vectors).
+constexpr int64_t kMaxHeads = 4;
+constexpr int64_t kMaxAccVecs = 16;
 // Split-K only when every chunk keeps at least this many tokens: a chunk costs
-// one extra partial state (G * (D + 2) floats) and a merge.
+// one extra partial state (H * (D + 2) floats) and a merge.
 constexpr int64_t kMinChunk = 512;
 constexpr int64_t kMaxSplits = 64;
 constexpr int64_t kMinRowsPerThread = 2048;  // K+V rows of one kv head
@@ -151,6 +157,27 @@ inline float hsum(f32x16 v) {  // folds halves: 4 shuffle + add steps
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// Lane t of the result = hsum(row t) of p [16, 16], with hsum's additions in hsum's order (so
+// the same bits): rows are paired at each level so that one vector add serves 2, 4, 8 rows.
+inline f32x16 reduce16(const float* p) {
+  f32x16 x[8], y[4], z[2];
+  for (int k = 0; k < 8; ++k) {  // lanes 0-7: row 2k's v[j] + v[j + 8]; 8-15: row 2k + 1's
+    const f32x16 a = load16(p + 32 * k), b = load16(p + 32 * k + 16);
+    x[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int k = 0; k < 4; ++k)  // 128-bit lane L: row 4k + L's a[j] + a[j + 4]
+    y[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(x[2 * k], x[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)  // lane L: (b0 + b2, b1 + b3) of row 8k + L, then of row 8k + 4 + L
+    z[k] = __builtin_shufflevector(y[2 * k], y[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(y[2 * k], y[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  // lane L, element j: row L + 4 j
+  const f32x16 r = __builtin_shufflevector(z[0], z[1], 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+                   __builtin_shufflevector(z[0], z[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+  return __builtin_shufflevector(r, r, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
 // max / sum of x[0, kTile), in 16 lanes folded at the end. A plain `s += x[i]`
 // loop does not vectorize without -ffast-math, and gcc ends `omp simd reduction`
 // with 16 dependent scalar adds.
@@ -206,31 +233,60 @@ struct Problem {
   float scale;
 };
 
-// Attends query heads [h * G, (h + 1) * G) of sequence b to tokens [t0, t1),
-// leaving the unnormalized state in `st` (acc in load32 lane order). Scratch:
-// qf [G * D], s [G * kTile].
+// acc[g] = alpha[g] * acc[g] + sum_i w[g * kTile + i] * v_i for NG heads, each V row converted
+// once for all of them; every head's sum runs over i in the same order as one head alone would.
+// kC = 0: D from `d` (the caller then passes one head at a time).
+template <typename T, int64_t kC, int64_t NG>
+inline void accumulate_v(const T* const* krow, int64_t v_off, int64_t n, const float* __restrict w,
+                         const float* alpha, float* __restrict acc, int64_t d) {
+  const int64_t C = kC ? kC : d / kLanes;
+  if (!kC && NG > 1) return;  // never called: keeps the unused instances small
+  f32x16 a[NG][kC ? kC : kMaxVecs];
+  for (int64_t g = 0; g < NG; ++g)
+    for (int64_t c = 0; c < C; ++c) a[g][c] = load16(acc + g * C * kLanes + c * kLanes) * alpha[g];
+  for (int64_t i = 0; i < n; ++i) {
+    const T* v = krow[i] + v_off;
+    for (int64_t c = 0; c < C; c += 2) {
+      f32x16 lo, hi;
+      load32(v + c * kLanes, lo, hi);
+      for (int64_t g = 0; g < NG; ++g) {
+        const float wg = w[g * kTile + i];
+        a[g][c] += wg * lo;
+        a[g][c + 1] += wg * hi;
+      }
+    }
+  }
+  for (int64_t g = 0; g < NG; ++g)
+    for (int64_t c = 0; c < C; ++c) store16(acc + g * C * kLanes + c * kLanes, a[g][c]);
+}
+
+// Attends every query head of sequence b to tokens [t0, t1), leaving the unnormalized state
+// in `st` (m [H], l [H], acc [H, D], acc in load32 lane order). Scratch: qf [H * D],
+// s [G * kTile] then [G * 256]. A tile's tokens are visited once per kv head, in turn; the tile's K and V slots
+// (all kv heads: one contiguous run per page) are prefetched while the tile before is read, so
+// memory is read in whole slots, not one head's third of each.
 //
 // kC = D / 16 vectors per row when known at compile time (0: from p.d): the row
 // loops then have constant trip counts, and K and the V accumulators live in registers.
 template <typename T, int64_t kC>
-void attend_chunk(const Problem& p, int64_t b, int64_t h, int64_t t0, int64_t t1, Partial st,
+void attend_chunk(const Problem& p, int64_t b, int64_t t0, int64_t t1, Partial st,
                   float* __restrict qf, float* __restrict s) {
-  const int64_t G = p.groups, D = p.d, C = kC ? kC : D / kLanes;
-  float* __restrict acc = st.acc;
-  const T* q = static_cast<const T*>(p.q) + (b * p.kvh + h) * G * D;
-  for (int64_t c = 0; c < G * C; c += 2) {
+  const int64_t G = p.groups, D = p.d, C = kC ? kC : D / kLanes, H = p.kvh * G;
+  float* __restrict part = s + G * kTile;  // [G, 16, 16]
+  const T* q = static_cast<const T*>(p.q) + b * H * D;
+  for (int64_t c = 0; c < H * C; c += 2) {
     f32x16 lo, hi;
     load32(q + c * kLanes, lo, hi);
     store32(qf + c * kLanes, lo * p.scale, hi * p.scale);  // fold the scale into q
   }
-  std::fill(st.m, st.m + G, kNegInf);
-  std::fill(st.l, st.l + G, 0.f);
-  std::fill(acc, acc + G * D, 0.f);
+  std::fill(st.m, st.m + H, kNegInf);
+  std::fill(st.l, st.l + H, 0.f);
+  std::fill(st.acc, st.acc + H * D, 0.f);
 
-  const T* base = reinterpret_cast<const T*>(p.kv) + h * p.kv_stride[3];
+  const T* base = reinterpret_cast<const T*>(p.kv);
   const int64_t v_off = p.kv_stride[1];
   const int64_t* pages = p.page_table + b * p.max_pages;
-  // K rows of tokens [t, t + n); a V row is v_off elements after its K row.
+  // Slots of tokens [t, t + n): kv head h's K row is kv_stride[3] * h further, its V row v_off more.
   auto find_rows = [&](int64_t t, int64_t n, const T** rows) {
     for (int64_t i = 0, pi = t / p.page_size, slot = t % p.page_size; i < n; ++i) {
       rows[i] = base + pages[pi] * p.kv_stride[0] + slot * p.kv_stride[2];
@@ -241,68 +297,84 @@ void attend_chunk(const Problem& p, int64_t b, int64_t h, int64_t t0, int64_t t1
     }
   };
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  const T* rows_buf[2][kTile];
-  const T** krow = rows_buf[0];
+  const T* rows_buf[3][kTile];
+  const T** slot = rows_buf[0];
   const T** next = rows_buf[1];
-  find_rows(t0, std::min(kTile, t1 - t0), krow);
+  const T** krow = rows_buf[2];
+  find_rows(t0, std::min(kTile, t1 - t0), slot);
 
   for (int64_t tt = t0; tt < t1; tt += kTile) {
     const int64_t n = std::min(kTile, t1 - tt);
     const int64_t n_next = std::min(kTile, t1 - tt - n);
     find_rows(tt + n, n_next, next);
+    for (int64_t h = 0; h < p.kvh; ++h) {
+      const int64_t hoff = h * p.kv_stride[3];
+      for (int64_t i = 0; i < n; ++i) krow[i] = slot[i] + hoff;
+      float* qh = qf + h * G * D;
+      float* mh = st.m + h * G;
+      float* lh = st.l + h * G;
+      float* acc = st.acc + h * G * D;
 
-    // Scores s[g, i] = (scale * q_g) . k_{tt+i}
-    for (int64_t i = 0; i < n; ++i) {
-      if (i < n_next) {
-        // Prefetch (into L2) the next tile as this one is read: pages are scattered,
-        // so the hardware prefetcher loses the stream at every page boundary.
-        const char* k = reinterpret_cast<const char*>(next[i]);
-        const char* v = reinterpret_cast<const char*>(next[i] + v_off);
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          __builtin_prefetch(k + off, 0, 2);
-          __builtin_prefetch(v + off, 0, 2);
+      // Scores s[g, i] = (scale * q_g) . k_{tt+i}, 16 tokens at a time: each token's 16-lane
+      // partial sums go to `part`, and reduce16 folds 16 of them at once (hsum's order).
+      for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+        const int64_t m = std::min(kLanes, n - i0);
+        for (int64_t i = i0; i < i0 + m; ++i) {
+          if (i < n_next) {
+            // Prefetch (into L2) this head's rows of the next tile as this one is read: pages
+            // are scattered, so the hardware prefetcher loses the stream at every page boundary.
+            const char* k = reinterpret_cast<const char*>(next[i] + hoff);
+            const char* v = reinterpret_cast<const char*>(next[i] + hoff + v_off);
+            for (int64_t off = 0; off < row_bytes; off += 64) {
+              __builtin_prefetch(k + off, 0, 2);
+              __builtin_prefetch(v + off, 0, 2);
+            }
+          }
+          f32x16 k[kC ? kC : kMaxVecs];
+          for (int64_t c = 0; c < C; c += 2) load32(krow[i] + c * kLanes, k[c], k[c + 1]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qh + g * D;
+            f32x16 a0 = {}, a1 = {};  // two chains hide the FMA latency
+            for (int64_t c = 0; c < C; c += 2) {
+              a0 += load16(qg + c * kLanes) * k[c];
+              a1 += load16(qg + (c + 1) * kLanes) * k[c + 1];
+            }
+            store16(part + (g * kLanes + i - i0) * kLanes, a0 + a1);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t i = m; i < kLanes; ++i) store16(part + (g * kLanes + i) * kLanes, f32x16{});
+          store16(s + g * kTile + i0, reduce16(part + g * kLanes * kLanes));
         }
       }
-      f32x16 k[kC ? kC : kMaxVecs];
-      for (int64_t c = 0; c < C; c += 2) load32(krow[i] + c * kLanes, k[c], k[c + 1]);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qf + g * D;
-        f32x16 a0 = {}, a1 = {};  // two chains hide the FMA latency
-        for (int64_t c = 0; c < C; c += 2) {
-          a0 += load16(qg + c * kLanes) * k[c];
-          a1 += load16(qg + (c + 1) * kLanes) * k[c + 1];
+
+      // Query heads in groups whose V accumulators fit in registers together.
+      const int64_t per = kC ? std::clamp<int64_t>(kMaxAccVecs / kC, 1, kMaxHeads) : 1;
+      float alpha[kMaxHeads];
+      for (int64_t g0 = 0; g0 < G; g0 += per) {
+        const int64_t ng = std::min(per, G - g0);
+        for (int64_t g = g0; g < g0 + ng; ++g) {
+          // Online softmax: rescale the old state to the new max, turn scores into weights.
+          float* sg = s + g * kTile;
+          std::fill(sg + n, sg + kTile, kNegInf);  // pad a short tile: fixed trip counts below
+          const float mx = std::max(mh[g], max_of_tile(sg));
+          for (int64_t i = 0; i < kTile; ++i) sg[i] = i < n ? exp_nonpos(sg[i] - mx) : 0.f;
+          alpha[g - g0] = mh[g] == kNegInf ? 0.f : std::exp(mh[g] - mx);
+          lh[g] = lh[g] * alpha[g - g0] + sum_of_tile(sg);
+          mh[g] = mx;
         }
-        s[g * kTile + i] = hsum(a0 + a1);
+        // acc[g] = alpha * acc[g] + sum_i w[g, i] * v_{tt+i}, accumulated in registers.
+        const float* wg = s + g0 * kTile;
+        float* ag = acc + g0 * D;
+        switch (ng) {
+          case 1: accumulate_v<T, kC, 1>(krow, v_off, n, wg, alpha, ag, D); break;
+          case 2: accumulate_v<T, kC, 2>(krow, v_off, n, wg, alpha, ag, D); break;
+          case 3: accumulate_v<T, kC, 3>(krow, v_off, n, wg, alpha, ag, D); break;
+          default: accumulate_v<T, kC, 4>(krow, v_off, n, wg, alpha, ag, D); break;
+        }
       }
     }
-
-    for (int64_t g = 0; g < G; ++g) {
-      // Online softmax: rescale the old state to the new max, turn scores into weights.
-      float* sg = s + g * kTile;
-      std::fill(sg + n, sg + kTile, kNegInf);  // pad a short tile: fixed trip counts below
-      const float mx = std::max(st.m[g], max_of_tile(sg));
-      for (int64_t i = 0; i < kTile; ++i) sg[i] = i < n ? exp_nonpos(sg[i] - mx) : 0.f;
-      const float alpha = st.m[g] == kNegInf ? 0.f : std::exp(st.m[g] - mx);
-      st.l[g] = st.l[g] * alpha + sum_of_tile(sg);
-      st.m[g] = mx;
-
-      // acc[g] = alpha * acc[g] + sum_i w[g, i] * v_{tt+i}, accumulated in registers.
-      f32x16 a[kC ? kC : kMaxVecs];
-      float* ag = acc + g * D;
-      for (int64_t c = 0; c < C; ++c) a[c] = load16(ag + c * kLanes) * alpha;
-      for (int64_t i = 0; i < n; ++i) {
-        const T* v = krow[i] + v_off;
-        const float w = sg[i];
-        for (int64_t c = 0; c < C; c += 2) {
-          f32x16 lo, hi;
-          load32(v + c * kLanes, lo, hi);
-          a[c] += w * lo;
-          a[c + 1] += w * hi;
-        }
-      }
-      for (int64_t c = 0; c < C; ++c) store16(ag + c * kLanes, a[c]);
-    }
-    std::swap(krow, next);
+    std::swap(slot, next);
   }
 }
 
@@ -349,8 +421,7 @@ std::atomic<int64_t> g_split_threads{0};
 
 template <typename T>
 void run(const Problem& p, int64_t batch, at::Tensor& out) {
-  const int64_t G = p.groups, D = p.d, KVH = p.kvh;
-  const int64_t pairs = batch * KVH;
+  const int64_t G = p.groups, D = p.d, KVH = p.kvh, H = G * KVH;
   int64_t max_ctx = 0, rows = 0;
   for (int64_t b = 0; b < batch; ++b) {
     max_ctx = std::max(max_ctx, p.ctx_lens[b]);
@@ -361,13 +432,15 @@ void run(const Problem& p, int64_t batch, at::Tensor& out) {
       std::clamp<int64_t>(rows / kMinRowsPerThread, 1, std::max(1, at::get_num_threads()));
   const int64_t pinned = g_split_threads.load(std::memory_order_relaxed);
   const int64_t splits =
-      choose_splits(pairs, pinned > 0 ? std::clamp<int64_t>(rows / kMinRowsPerThread, 1, pinned) : threads, max_ctx);
+      choose_splits(batch, pinned > 0 ? std::clamp<int64_t>(rows / kMinRowsPerThread, 1, pinned) : threads, max_ctx);
   auto* attend = D == 64    ? &attend_chunk<T, 4>
                  : D == 128 ? &attend_chunk<T, 8>
                  : D == 256 ? &attend_chunk<T, 16>
                             : &attend_chunk<T, 0>;
-  // Scratch per thread: qf [G, D], s [G, kTile], then a state m [G], l [G], acc [G, D].
-  const int64_t scratch = 2 * G * D + G * kTile + 2 * G;
+  // Scratch per thread: qf [H, D], s [G, kTile + 256], then a state m [H], l [H], acc [H, D].
+  const int64_t state = H * (D + 2);
+  const int64_t s_floats = G * (kTile + kLanes * kLanes);
+  const int64_t scratch = H * D + s_floats + state;
   T* o = out.data_ptr<T>();
 
   auto chunk_range = [&](int64_t b, int64_t c) {
@@ -377,56 +450,54 @@ void run(const Problem& p, int64_t batch, at::Tensor& out) {
     return std::pair<int64_t, int64_t>{std::min(len, c * per), std::min(len, (c + 1) * per)};
   };
 
+  // A work item is a sequence (splits == 1) or one chunk of its context.
   if (splits == 1) {
-    for_each_item(pairs, threads, scratch, [&](int64_t item, float* w) {
-      const int64_t b = item / KVH, h = item % KVH;
-      T* dst = o + item * G * D;
+    for_each_item(batch, threads, scratch, [&](int64_t b, float* w) {
+      T* dst = o + b * H * D;
       if (p.ctx_lens[b] == 0) {
-        std::fill(dst, dst + G * D, static_cast<T>(0.f));
+        std::fill(dst, dst + H * D, static_cast<T>(0.f));
         return;
       }
-      float *qf = w, *s = qf + G * D, *state = s + G * kTile;
-      Partial st{state, state + G, state + 2 * G};
-      attend(p, b, h, 0, p.ctx_lens[b], st, qf, s);
-      for (int64_t g = 0; g < G; ++g) store_row(st.acc + g * D, 1.f / st.l[g], dst + g * D, D);
+      float *qf = w, *s = qf + H * D, *st_m = s + s_floats;
+      Partial st{st_m, st_m + H, st_m + 2 * H};
+      attend(p, b, 0, p.ctx_lens[b], st, qf, s);
+      for (int64_t g = 0; g < H; ++g) store_row(st.acc + g * D, 1.f / st.l[g], dst + g * D, D);
     });
     return;
   }
 
-  // Split-K: partial states [pairs, splits] x {m [G], l [G], acc [G, D]}, then merge.
-  const int64_t state = G * (D + 2);
-  std::vector<float> partials(pairs * splits * state);
-  for_each_item(pairs * splits, threads, scratch, [&](int64_t item, float* w) {
-    const int64_t pair = item / splits, c = item % splits;
-    const int64_t b = pair / KVH, h = pair % KVH;
+  // Split-K: partial states [batch, splits] x {m [H], l [H], acc [H, D]}, then merge.
+  std::vector<float> partials(batch * splits * state);
+  for_each_item(batch * splits, threads, scratch, [&](int64_t item, float* w) {
+    const int64_t b = item / splits, c = item % splits;
     float* ps = partials.data() + item * state;
-    Partial st{ps, ps + G, ps + 2 * G};
+    Partial st{ps, ps + H, ps + 2 * H};
     const auto [t0, t1] = chunk_range(b, c);
     if (t0 >= t1) {  // an empty chunk merges with weight 0
-      std::fill(ps, ps + G, kNegInf);
-      std::fill(ps + G, ps + state, 0.f);
+      std::fill(ps, ps + H, kNegInf);
+      std::fill(ps + H, ps + state, 0.f);
       return;
     }
-    attend(p, b, h, t0, t1, st, w, w + G * D);
+    attend(p, b, t0, t1, st, w, w + H * D);
   });
-  for_each_item(pairs, threads, scratch, [&](int64_t pair, float* w) {
+  for_each_item(batch, threads, scratch, [&](int64_t b, float* w) {
     float* res = w;  // [D]
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < H; ++g) {
       float mx = kNegInf;
-      for (int64_t c = 0; c < splits; ++c) mx = std::max(mx, partials[(pair * splits + c) * state + g]);
+      for (int64_t c = 0; c < splits; ++c) mx = std::max(mx, partials[(b * splits + c) * state + g]);
       std::fill(res, res + D, 0.f);
       float l = 0.f;
       if (mx != kNegInf) {
         for (int64_t c = 0; c < splits; ++c) {
-          const float* ps = partials.data() + (pair * splits + c) * state;
+          const float* ps = partials.data() + (b * splits + c) * state;
           const float wgt = std::exp(ps[g] - mx);  // 0 for an empty chunk
-          l += wgt * ps[G + g];
-          const float* a = ps + 2 * G + g * D;
+          l += wgt * ps[H + g];
+          const float* a = ps + 2 * H + g * D;
           for (int64_t j = 0; j < D; ++j) res[j] += wgt * a[j];
         }
         l = 1.f / l;
       }  // else ctx_len == 0: zeros
-      store_row(res, l, o + (pair * G + g) * D, D);
+      store_row(res, l, o + (b * H + g) * D, D);
     }
   });
 }
