@@ -36,11 +36,38 @@ from pathlib import Path
 SLOT = struct.Struct("d")
 
 
+BOARD_PREFIX = "pdserve-cores-"  # + the launcher's pid
+
+
+def board_path(directory: str | Path, pid: int) -> Path:
+    return Path(directory) / f"{BOARD_PREFIX}{pid}"
+
+
 def create_board(path: str | Path, ranks: int) -> Path:
-    """The launcher's side: a zeroed board of `ranks` slots (every rank busy until it says otherwise)."""
+    """The launcher's side: a zeroed board of `ranks` slots (every rank busy until it says otherwise).
+    Boards in the same directory whose launcher is gone (killed before it could unlink its
+    own) are removed first."""
     path = Path(path)
+    remove_stale_boards(path.parent)
     path.write_bytes(bytes(SLOT.size * ranks))
     return path
+
+
+def remove_stale_boards(directory: str | Path) -> list[Path]:
+    """Unlink the boards in `directory` whose launcher pid no longer runs; returns them."""
+    removed = []
+    for p in Path(directory).glob(BOARD_PREFIX + "*"):
+        pid = p.name[len(BOARD_PREFIX):]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            p.unlink(missing_ok=True)
+            removed.append(p)
+        except PermissionError:  # another user's live launcher
+            pass
+    return removed
 
 
 class CoreBoard:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from decode.config import HandoffConfig
-from decode.core_board import create_board
+from decode.core_board import board_path, create_board
 from pd_server.cluster_auth import SECRET_ENV, cluster_secret_from_env
 from pd_server.cli_args import add_dataclass_args, from_args, opt
 from pd_server.config import RouterConfig
@@ -151,7 +151,7 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
     board = ""
     if (launch.lend_cores or launch.lend_idle_cores) and launch.num_ranks > 1 and engine_cfg.device == "cpu":
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        board = str(create_board(shm / f"pdserve-cores-{os.getpid()}", launch.num_ranks))
+        board = str(create_board(board_path(shm, os.getpid()), launch.num_ranks))
     sup = Supervisor(registry, lambda role, i: rank_command(engine_cfg, launch, role, i, addr, handoff, board),
                      launch.run_dir, launch.max_restarts if launch.supervise else 0, launch.restart_backoff_s,
                      launch.rank_start_timeout_s)

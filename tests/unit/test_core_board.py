@@ -1,10 +1,14 @@
 """Idle cores lent between the ranks of one host (decode/core_board.py) and the launcher's wiring."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from decode.core_board import CoreBoard, create_board
+from decode.core_board import CoreBoard, board_path, create_board
 from engine.config import EngineConfig
 from pd_server.launch import LaunchConfig, rank_command
 
@@ -25,6 +29,19 @@ def test_a_peer_counts_as_idle_once_settled(tmp_path, threads):
     assert a.idle_peers(now=since + 0.06) == 1
     b.busy()
     assert a.idle_peers(now=since + 0.06) == 0
+
+
+def test_a_new_board_removes_those_of_dead_launchers(tmp_path):
+    # A launcher killed with SIGKILL cannot unlink its board; the next one on the host does.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = create_board(board_path(tmp_path, int(dead)), 2)
+    live = create_board(board_path(tmp_path, os.getppid()), 2)  # a running launcher's
+    other = tmp_path / "pdserve-cores-notes"
+    other.write_text("not a board")
+    mine = create_board(board_path(tmp_path, os.getpid()), 2)
+    assert not stale.exists()
+    assert live.exists() and other.exists() and mine.exists()
 
 
 def test_a_rank_borrows_the_threads_of_idle_peers(tmp_path, threads):
