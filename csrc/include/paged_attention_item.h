@@ -25,7 +25,7 @@ constexpr int64_t kMaxHeads = 4;
 constexpr int64_t kMaxAccVecs = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Running softmax state of G query heads: max m, denominator l, numerator acc [G, D].
+// Running softmax state of n query heads: max m [n], denominator l [n], numerator acc [n, D].
 struct Partial {
   float* m;
   float* l;
@@ -73,9 +73,10 @@ inline void accumulate_v(const T* const* krow, int64_t v_off, int64_t n, const f
 
 // Attends every query head of sequence b to tokens [t0, t1), leaving the unnormalized state
 // in `st` (m [H], l [H], acc [H, D], acc in load32 lane order). Scratch: qf [H * D],
-// s [G * kTile] then [G * 256]. A tile's tokens are visited once per kv head, in turn; the tile's K and V slots
-// (all kv heads: one contiguous run per page) are prefetched while the tile before is read, so
-// memory is read in whole slots, not one head's third of each.
+// s [G * kTile] then [G * 256]. A tile's tokens are visited once per kv head, in turn, so the
+// heads of a slot are read one after another while its lines are in cache; each head's rows
+// of the next tile are prefetched while that head reads this tile (spread over the tile, not
+// in one burst, which measured slower).
 //
 // kC = D / 16 vectors per row when known at compile time (0: from p.d): the row
 // loops then have constant trip counts, and K and the V accumulators live in registers.
