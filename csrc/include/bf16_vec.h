@@ -37,17 +37,23 @@ inline f32x16 load_bf16(const c10::BFloat16* p) {  // 16 bf16 -> fp32 (exact)
   return v;
 }
 
+// fp32 bits rounded to the nearest even bf16 in the top half (NaN stays NaN, quiet), in plain
+// integer arithmetic: denormals kept, whatever the CPU.
+inline u32x16 round_bf16_bits(f32x16 v) {
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  const u32x16 nan = (bits | 0x00400000u) & 0xFFFF0000u;
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded;
+}
+
 // fp32 rounded to the nearest even bf16 (NaN stays NaN), still as fp32 values.
 inline f32x16 round_bf16(f32x16 v) {
 #if defined(__AVX512BF16__)
   const __m256bh h = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(v));
   return reinterpret_cast<f32x16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16));
 #else
-  u32x16 bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  const u32x16 nan = (bits | 0x00400000u) & 0xFFFF0000u;
-  bits = (bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded;
+  const u32x16 bits = round_bf16_bits(v);
   std::memcpy(&v, &bits, sizeof v);
   return v;
 #endif

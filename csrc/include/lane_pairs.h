@@ -55,16 +55,9 @@ inline void load32(const c10::BFloat16* p, f32x16& lo, f32x16& hi) {
   std::memcpy(&hi, &odd, sizeof hi);
 }
 
-inline u32x16 round_to_bf16(f32x16 v) {  // fp32 bits rounded to the nearest even bf16 (top half)
-  u32x16 bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  const u32x16 nan = (bits | 0x00400000u) & 0xFFFF0000u;  // keep NaNs NaN (quiet)
-  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded;
-}
-
+// Rounded in integer arithmetic (round_bf16_bits), not by the AVX512-BF16 instruction.
 inline void store32(c10::BFloat16* p, f32x16 lo, f32x16 hi) {
-  const u32x16 pairs = (round_to_bf16(lo) >> 16) | round_to_bf16(hi);
+  const u32x16 pairs = (round_bf16_bits(lo) >> 16) | round_bf16_bits(hi);
   std::memcpy(p, &pairs, sizeof pairs);
 }
 

@@ -46,12 +46,12 @@ struct Problem {
 
 // acc[g] = alpha[g] * acc[g] + sum_i w[g * kTile + i] * v_i for NG heads, each V row converted
 // once for all of them; every head's sum runs over i in the same order as one head alone would.
-// kC = 0: D from `d` (the caller then passes one head at a time).
+// kC = 0: D from `d`, one head at a time (NG = 1).
 template <typename T, int64_t kC, int64_t NG>
 inline void accumulate_v(const T* const* krow, int64_t v_off, int64_t n, const float* __restrict w,
                          const float* alpha, float* __restrict acc, int64_t d) {
+  static_assert(kC || NG == 1, "an unknown head dim takes one head at a time");
   const int64_t C = kC ? kC : d / kLanes;
-  if (!kC && NG > 1) return;  // never called: keeps the unused instances small
   f32x16 a[NG][kC ? kC : kMaxVecs];
   for (int64_t g = 0; g < NG; ++g)
     for (int64_t c = 0; c < C; ++c) a[g][c] = load16(acc + g * C * kLanes + c * kLanes) * alpha[g];
@@ -178,11 +178,15 @@ void attend_chunk(const Problem& p, int64_t b, int64_t t0, int64_t t1, Partial s
         // acc[g] = alpha * acc[g] + sum_i w[g, i] * v_{tt+i}, accumulated in registers.
         const float* wg = s + g0 * kTile;
         float* ag = acc + g0 * D;
-        switch (ng) {
-          case 1: accumulate_v<T, kC, 1>(krow, v_off, n, wg, alpha, ag, D); break;
-          case 2: accumulate_v<T, kC, 2>(krow, v_off, n, wg, alpha, ag, D); break;
-          case 3: accumulate_v<T, kC, 3>(krow, v_off, n, wg, alpha, ag, D); break;
-          default: accumulate_v<T, kC, 4>(krow, v_off, n, wg, alpha, ag, D); break;
+        if constexpr (kC == 0) {
+          accumulate_v<T, kC, 1>(krow, v_off, n, wg, alpha, ag, D);  // per == 1
+        } else {
+          switch (ng) {
+            case 1: accumulate_v<T, kC, 1>(krow, v_off, n, wg, alpha, ag, D); break;
+            case 2: accumulate_v<T, kC, 2>(krow, v_off, n, wg, alpha, ag, D); break;
+            case 3: accumulate_v<T, kC, 3>(krow, v_off, n, wg, alpha, ag, D); break;
+            default: accumulate_v<T, kC, 4>(krow, v_off, n, wg, alpha, ag, D); break;
+          }
         }
       }
     }

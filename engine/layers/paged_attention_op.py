@@ -26,7 +26,8 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 def _load_ops() -> None:
     """Build (or find cached) and load the kernel into torch.ops.pdserve."""
     load_kernel("engine.layers.paged_attention_op", "paged_attention_cpu", ["paged_attention.cpp"], _CFLAGS,
-                headers=["include/cephes_exp.h", "include/bf16_vec.h", "include/lane_pairs.h", "include/paged_attention_item.h"])
+                headers=["include/cephes_exp.h", "include/bf16_vec.h", "include/lane_pairs.h",
+                         "include/paged_attention_item.h"])
 
 
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
