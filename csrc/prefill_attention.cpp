@@ -1,5 +1,6 @@
-// Causal attention of a prefill chunk with AMX tiles (flash-style online softmax), registered
-// as torch.ops.pdserve.prefill_attention (loader: engine/layers/prefill_attention_op.py).
+// Causal attention of a prefill chunk with AMX tiles, or AVX512-BF16 dot products where the
+// CPU has no AMX (flash-style online softmax), registered as torch.ops.pdserve.prefill_attention
+// (loader: engine/layers/prefill_attention_op.py).
 //
 //   q    [n, H, D]   bf16, last dim contiguous, heads D apart (any token stride)
 //   k, v [L, KVH, D] bf16, same layout; L >= n, H % KVH == 0, D % 32 == 0, D <= 256
@@ -25,6 +26,9 @@
 // Finally out = O^T transposed / l. Accumulation is fp32; P is rounded to bf16 for the
 // product with V (as torch's bf16 flash path does). Not bitwise torch's: tests compare with
 // an fp32 reference within bf16 tolerance.
+// Without AMX (scores_avx512, values_avx512) steps 1 and 4 broadcast a bf16 pair of a packed
+// K or V row against a row of the same VNNI B tile; the rest is the same code. Its bits are
+// not the tile unit's, but the property below holds for either.
 //
 // A query's result depends only on its keys' values and their indices mod 32: a 32-key step in
 // which it sees no key changes nothing of its state (p = 0 exactly, alpha = 1 once it has seen
@@ -50,10 +54,11 @@
 namespace pdserve {
 namespace {
 
-#if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(__AVX512BF16__)
+#define PDSERVE_PREFILL_AVX512 1
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define PDSERVE_PREFILL_AMX 1
-
-using amx::load_tile_config;
+#endif
 
 // exp(x) for x <= 0, 16 lanes (Cephes, as paged_attention.cpp); below -87 gives ~1e-38.
 inline __m512 exp16(__m512 x) {
@@ -93,6 +98,49 @@ void pack_kv(const Args& a, int64_t g, int64_t steps, uint16_t* kt, uint16_t* vt
     }
 }
 
+// The tile products without the tile unit (AVX512-BF16), on the same packed layouts. Lane =
+// query, as in the C tiles: a 32-bit word of a packed K or V row (a pair of bf16) is
+// broadcast and multiplied with a row of the VNNI B tile (Q or P), which holds that pair's
+// partners for 16 queries. Each fp32 sum runs over the pairs in order: not the tile unit's
+// bits, but again a query's result depends only on its keys and their indices mod 32.
+inline __m512 bcast_pair(const uint16_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, sizeof w);
+  return _mm512_castsi512_ps(_mm512_set1_epi32((int)w));
+}
+
+// s[j][16 q] = S of key 32 st + j (kt: [ks16][dc][16 keys][32 d]) and Q as VNNI B tiles qp.
+inline void scores_avx512(const uint16_t* kt, const uint16_t* qp, int64_t st, int64_t dcs, float* s) {
+  for (int64_t j0 = 0; j0 < 32; j0 += 8) {
+    __m512 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+    const uint16_t* rows = kt + ((32 * st + j0) / 16) * dcs * 512 + (j0 % 16) * 32;  // key j0's row, dc 0
+    for (int64_t dc = 0; dc < dcs; ++dc)
+      for (int64_t kp = 0; kp < 16; ++kp) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qp + dc * 512 + kp * 32);
+        for (int i = 0; i < 8; ++i)
+          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)bcast_pair(rows + dc * 512 + i * 32 + 2 * kp), qv);
+      }
+    for (int i = 0; i < 8; ++i) _mm512_store_ps(s + (j0 + i) * 16, acc[i]);
+  }
+}
+
+// O^T [D][16 q] += V^T P^T for step st (vt: [db][ks][16 d][32 keys], pt: P^T as a VNNI B tile).
+inline void values_avx512(const uint16_t* vt, const uint16_t* pt, int64_t st, int64_t steps_all, int64_t D,
+                          float* ot) {
+  for (int64_t d0 = 0; d0 < D; d0 += 8) {
+    const uint16_t* rows = vt + ((d0 / 16) * steps_all + st) * 512 + (d0 % 16) * 32;  // dim d0's 32 keys
+    __m512 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_load_ps(ot + (d0 + i) * 16);
+    for (int64_t kp = 0; kp < 16; ++kp) {
+      const __m512bh pv = (__m512bh)_mm512_loadu_si512(pt + kp * 32);
+      for (int i = 0; i < 8; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)bcast_pair(rows + i * 32 + 2 * kp), pv);
+    }
+    for (int i = 0; i < 8; ++i) _mm512_store_ps(ot + (d0 + i) * 16, acc[i]);
+  }
+}
+
 // Per-head state of one block of 16 queries.
 struct HeadState {
   uint16_t* qp;  // Q as VNNI B tiles: [D / 32][kp 16][q 16][2]
@@ -103,6 +151,7 @@ struct HeadState {
 // The heads h0 .. h0 + G - 1 of one kv head (a GQA group), queries r0 .. r0 + 15 (rows past n
 // are zero and discarded). The group's heads take each 32-key step in turn, so the step's K/V
 // tiles are read from memory once and from L1 by the other heads.
+template <bool Amx>
 void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, const uint16_t* kt,
            const uint16_t* vt, HeadState* hs, float* s) {
   const int64_t D = a.D, dcs = D / 32, dbs = D / 16, offset = a.L - a.n;
@@ -145,6 +194,7 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
   // 1. S^T of head hi for keys 32 st .. 32 st + 31 into tiles 0, 1. Issued one item ahead: the
   // tile unit computes the next (step, head)'s scores while the vector units run this softmax.
   auto scores = [&](int64_t st, int64_t hi) {
+#if defined(PDSERVE_PREFILL_AMX)
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t dc = 0; dc < dcs; ++dc) {
@@ -154,17 +204,24 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
       _tile_loadd(6, kt + ((2 * st + 1) * dcs + dc) * 512, 64);
       _tile_dpbf16ps(1, 6, 5);
     }
+#endif
   };
-  scores(st0, 0);
+  if constexpr (Amx) scores(st0, 0);
   for (int64_t st = st0; st < steps; ++st) {
     // Some key past some query's limit, or (window) below some query's first key.
     const bool edge = 32 * st + 31 > offset + r0 || 32 * st + 31 >= a.L || (a.window > 0 && 32 * st < first_key + 15);
     for (int64_t hi = 0; hi < G; ++hi) {
       HeadState& h = hs[hi];
-      _tile_stored(0, s, 64);
-      _tile_stored(1, s + 256, 64);
-      if (hi + 1 < G) scores(st, hi + 1);
-      else if (st + 1 < steps) scores(st + 1, 0);
+      if constexpr (Amx) {
+#if defined(PDSERVE_PREFILL_AMX)
+        _tile_stored(0, s, 64);
+        _tile_stored(1, s + 256, 64);
+        if (hi + 1 < G) scores(st, hi + 1);
+        else if (st + 1 < steps) scores(st + 1, 0);
+#endif
+      } else {
+        scores_avx512(kt, h.qp, st, dcs, s);
+      }
       // 2. Online softmax, lane = query. Raw scores; the scale (> 0) is applied inside the
       // exponent: exp(scale * s - scale * max). Four running maxima: one chain of 32 dependent
       // maxes would take ~130 cycles.
@@ -207,16 +264,22 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
       float* ot = h.ot;
       if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ))
         for (int64_t d = 0; d < D; ++d) _mm512_store_ps(ot + d * 16, _mm512_mul_ps(_mm512_load_ps(ot + d * 16), alpha));
-      _tile_loadd(3, pt, 64);
-      for (int64_t db = 0; db < dbs; db += 2) {  // two chunks in flight (tiles 2 and 7)
-        _tile_loadd(2, ot + db * 256, 64);
-        _tile_loadd(4, vt + (db * steps_all + st) * 512, 64);
-        _tile_loadd(7, ot + (db + 1) * 256, 64);
-        _tile_loadd(6, vt + ((db + 1) * steps_all + st) * 512, 64);
-        _tile_dpbf16ps(2, 4, 3);
-        _tile_dpbf16ps(7, 6, 3);
-        _tile_stored(2, ot + db * 256, 64);
-        _tile_stored(7, ot + (db + 1) * 256, 64);
+      if constexpr (Amx) {
+#if defined(PDSERVE_PREFILL_AMX)
+        _tile_loadd(3, pt, 64);
+        for (int64_t db = 0; db < dbs; db += 2) {  // two chunks in flight (tiles 2 and 7)
+          _tile_loadd(2, ot + db * 256, 64);
+          _tile_loadd(4, vt + (db * steps_all + st) * 512, 64);
+          _tile_loadd(7, ot + (db + 1) * 256, 64);
+          _tile_loadd(6, vt + ((db + 1) * steps_all + st) * 512, 64);
+          _tile_dpbf16ps(2, 4, 3);
+          _tile_dpbf16ps(7, 6, 3);
+          _tile_stored(2, ot + db * 256, 64);
+          _tile_stored(7, ot + (db + 1) * 256, 64);
+        }
+#endif
+      } else {
+        values_avx512(vt, pt, st, steps_all, D, ot);
       }
     }
   }
@@ -237,6 +300,7 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
   }
 }
 
+template <bool Amx>
 void run(const Args& a) {
   const int64_t steps = (a.L + 31) / 32, qblocks = (a.n + 15) / 16, group = a.H / a.KVH;
   const int64_t tiles_per_head = steps * 2 * (a.D / 32) * 512;  // kt; vt has the same size
@@ -249,7 +313,9 @@ void run(const Args& a) {
   constexpr int64_t kMaxGroup = 8;
   const int64_t slices = (group + kMaxGroup - 1) / kMaxGroup, per = (group + slices - 1) / slices;
   at::parallel_for(0, a.KVH * slices * qblocks, 1, [&](int64_t w0, int64_t w1) {
-    load_tile_config();
+#if defined(PDSERVE_PREFILL_AMX)
+    if constexpr (Amx) amx::load_tile_config();
+#endif
     std::vector<uint16_t> qp(static_cast<size_t>(per * (a.D / 32) * 512));
     std::vector<float> ot(static_cast<size_t>(per * a.D * 16 + 16));  // + 16: room to align
     float* ot0 = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(ot.data()) + 63) & ~uintptr_t(63));
@@ -262,19 +328,29 @@ void run(const Args& a) {
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t g = w / (slices * qblocks), slice = (w / qblocks) % slices;
       const int64_t h0 = g * group + slice * per, G = std::min(per, group - slice * per);
-      block(a, h0, G, (w % qblocks) * 16, steps, kv.data() + g * 2 * tiles_per_head,
-            kv.data() + (g * 2 + 1) * tiles_per_head, hs, s);
+      block<Amx>(a, h0, G, (w % qblocks) * 16, steps, kv.data() + g * 2 * tiles_per_head,
+                 kv.data() + (g * 2 + 1) * tiles_per_head, hs, s);
     }
-    _tile_release();
+#if defined(PDSERVE_PREFILL_AMX)
+    if constexpr (Amx) _tile_release();
+#endif
   });
+}
+
+bool amx_granted() {
+#if defined(PDSERVE_PREFILL_AMX)
+  return amx::permitted();
+#else
+  return false;
+#endif
 }
 #endif
 
 }  // namespace
 
 bool prefill_attention_supported() {
-#if defined(PDSERVE_PREFILL_AMX)
-  return amx::permitted();
+#if defined(PDSERVE_PREFILL_AVX512)
+  return true;
 #else
   return false;
 #endif
@@ -282,7 +358,7 @@ bool prefill_attention_supported() {
 
 at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                  int64_t window) {
-  TORCH_CHECK(prefill_attention_supported(), "prefill_attention: built without AMX or AMX not granted");
+  TORCH_CHECK(prefill_attention_supported(), "prefill_attention: built without AVX512-BF16");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: q [n, H, D], k/v [L, KVH, D]");
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(2) == 1 && t->stride(1) == t->size(2),
@@ -294,12 +370,13 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   TORCH_CHECK(L < (int64_t(1) << 30), "prefill_attention: context too long");
   TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0");
   at::Tensor out = at::empty({n, H, D}, q.options());
-#if defined(PDSERVE_PREFILL_AMX)
+#if defined(PDSERVE_PREFILL_AVX512)
   if (n) {
     Args a{static_cast<const uint16_t*>(q.data_ptr()), static_cast<const uint16_t*>(k.data_ptr()),
            static_cast<const uint16_t*>(v.data_ptr()), q.stride(0), k.stride(0), v.stride(0), n, L, H, KVH, D,
            window, static_cast<float>(scale), out.data_ptr<c10::BFloat16>()};
-    run(a);
+    if (amx_granted()) run<true>(a);
+    else run<false>(a);
   }
 #endif
   return out;

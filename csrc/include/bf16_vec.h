@@ -73,5 +73,21 @@ inline float hsum(f32x16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// Lane r of the result = hsum(v[r]) for 8 vectors, with hsum's additions in its order (so the
+// same bits); each level pairs rows so that one vector add serves two of them.
+inline f32x8 hsum8(const f32x16 (&v)[8]) {
+  f32x16 x[4], y[2];
+  for (int i = 0; i < 4; ++i)  // lanes 0-7: a of row 2i (v[j] + v[j + 8]); 8-15: a of row 2i + 1
+    x[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)  // lanes 4g..4g+3: b of row 4j + g (a[t] + a[t + 4])
+    y[j] = __builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(x[2 * j], x[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  // lanes 2r, 2r + 1: (b0 + b2, b1 + b3) of row r
+  const f32x16 z = __builtin_shufflevector(y[0], y[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                   __builtin_shufflevector(y[0], y[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(z, z, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(z, z, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 }  // namespace vec
 }  // namespace pdserve

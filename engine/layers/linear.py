@@ -5,12 +5,14 @@ time is the time to stream the weights from memory. `csrc/small_linear.cpp`
 (torch.ops.pdserve.small_linear: AMX tiles, else AVX512-BF16 dot products)
 streams them at close to the machine's read bandwidth, where oneDNN's bf16 GEMV
 reached about half of it, and gives each row the same result whatever batch it
-is in. Above 128 rows it runs an AMX GEMM (`csrc/amx_gemm.cpp`) with the same
-per-row bits, up to GEMM_ROWS; larger inputs, and every input above 32 rows on
-a CPU without AMX, keep torch's GEMM (oneDNN). The first call
+is in and at any thread count. Prefill chunks of up to GEMM_ROWS rows take it too:
+above 128 rows an AMX GEMM (`csrc/amx_gemm.cpp`) where the CPU has AMX, the
+AVX512-BF16 dot products (blocked over x rows) elsewhere, both with the per-row
+bits of a decode batch; larger inputs keep torch's GEMM (oneDNN). The first call
 JIT-builds the kernel (`-march=native`); on a CPU or compiler without
 AVX512-BF16 the op says it is unsupported and torch's linear is used.
-Set PDSERVE_SMALL_LINEAR=0 to force torch's path (for comparison).
+Set PDSERVE_SMALL_LINEAR=0 to force torch's path, PDSERVE_CHUNK_GEMM=0 to keep
+prefill chunks (more than MAX_ROWS rows) on it (for comparison).
 """
 from __future__ import annotations
 
@@ -23,12 +25,12 @@ from torch import nn
 
 from engine.layers.jit import load_kernel
 
-# Rows up to which the streaming kernel is used when the AMX GEMM is not available: decode
-# batches (oneDNN's blocked GEMM is faster for prefill chunks there).
+# Rows up to which the kernel is used with PDSERVE_CHUNK_GEMM=0: decode batches.
 MAX_ROWS = 32
-# Rows up to which the kernel is used with the AMX GEMM: prefill chunks too. At 512-600 rows
-# it runs at oneDNN's speed (same-process alternation) and gives every row the same bits at
-# any thread count, which lets such steps borrow idle cores; at 2048 rows oneDNN is ~25% faster.
+# Rows up to which the kernel is used by default: prefill chunks too. Its bits do not depend
+# on the thread count, which lets such steps borrow idle cores. AMX GEMM at 512-600 rows:
+# oneDNN's speed (same-process alternation), at 2048 rows oneDNN is ~25% faster. AVX512-BF16
+# on AMD Zen 4 (one thread): 0.8-0.95x oneDNN at 64-512 rows, ~1.7x with a borrowed core.
 GEMM_ROWS = 1024
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
@@ -38,7 +40,7 @@ def small_linear_available() -> bool:
     """True when the kernel is built and this CPU runs it (cached per process)."""
     if os.environ.get("PDSERVE_SMALL_LINEAR", "1") == "0":
         return False
-    load_kernel("engine.layers.linear", "small_linear_cpu", ["small_linear.cpp", "amx_gemm.cpp"], _CFLAGS, headers=["include/amx_tiles.h", "include/amx_gemm.h"])
+    load_kernel("engine.layers.linear", "small_linear_cpu", ["small_linear.cpp", "amx_gemm.cpp"], _CFLAGS, headers=["include/amx_tiles.h", "include/amx_gemm.h", "include/bf16_vec.h"])
     return bool(torch.ops.pdserve.small_linear_supported())
 
 
@@ -53,10 +55,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 @functools.cache
 def gemm_rows() -> int:
-    """Rows up to which Linear uses the kernel (cached per process): GEMM_ROWS where the AMX
-    GEMM runs (csrc/amx_gemm.cpp; PDSERVE_AMX_GEMM=0 turns it off), else MAX_ROWS."""
-    if (os.environ.get("PDSERVE_AMX_GEMM", "1") != "0" and small_linear_available()
-            and torch.ops.pdserve.small_linear_amx()):
+    """Rows up to which Linear uses the kernel (cached per process): GEMM_ROWS, or MAX_ROWS
+    with PDSERVE_CHUNK_GEMM=0 (prefill chunks on oneDNN)."""
+    if os.environ.get("PDSERVE_CHUNK_GEMM", "1") != "0" and small_linear_available():
         return GEMM_ROWS
     return MAX_ROWS
 

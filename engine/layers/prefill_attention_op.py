@@ -1,10 +1,13 @@
-"""Causal attention of a prefill chunk on the CPU's tile unit (`csrc/prefill_attention.cpp`).
+"""Causal attention of a prefill chunk on the CPU's tile unit, or its AVX512-BF16 dot products
+where there is no AMX (`csrc/prefill_attention.cpp`).
 
 torch's fused CPU SDPA reached ~100 GFLOP/s on one core for a 530-token bf16 prefill of
 SmolLM2 (a quarter of the prefill's time); the kernel runs both products as AMX tile
 products and the softmax lane-wise over keys. It takes q/k/v in the layout the projections
 produce ([tokens, heads, D], any token stride), so no transposes or head repeats are made.
-bf16 on a CPU with AMX only; anything else (fp32 parity runs, CUDA, other CPUs) keeps SDPA.
+bf16 on a CPU with AVX512-BF16 only; anything else (fp32 parity runs, CUDA, other CPUs) keeps
+SDPA. Either path gives a query the same bits however its prompt is chunked, which SDPA
+does not (its blocking depends on the chunk's length).
 Set PDSERVE_PREFILL_ATTN=0 to force SDPA (for comparison).
 """
 from __future__ import annotations

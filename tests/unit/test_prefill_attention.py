@@ -8,7 +8,7 @@ import torch
 
 from engine.layers.prefill_attention_op import prefill_attention, prefill_attention_available
 
-pytestmark = pytest.mark.skipif(not prefill_attention_available(), reason="needs a CPU with AMX")
+pytestmark = pytest.mark.skipif(not prefill_attention_available(), reason="needs a CPU with AVX512-BF16")
 
 
 def reference(q, k, v, scale, window=0):

@@ -78,7 +78,7 @@ def test_layer_routes_small_bf16_batches_to_the_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(linear, "small_linear", lambda *a: calls.append(a[0].shape[0]) or small_linear(*a))
     limit = linear.gemm_rows()
-    assert limit == (linear.GEMM_ROWS if torch.ops.pdserve.small_linear_amx() else linear.MAX_ROWS)
+    assert limit == linear.GEMM_ROWS
     for m in (1, linear.MAX_ROWS, limit, limit + 1):
         x = bf16(m, 64, seed=m)
         torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(),
@@ -87,27 +87,24 @@ def test_layer_routes_small_bf16_batches_to_the_kernel(monkeypatch):
     assert calls == [1, linear.MAX_ROWS, limit]
 
 
-def test_without_the_amx_gemm_prefill_chunks_use_torch(monkeypatch):
-    monkeypatch.setenv("PDSERVE_AMX_GEMM", "0")
+def test_without_the_chunk_gemm_prefill_chunks_use_torch(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CHUNK_GEMM", "0")
     linear.gemm_rows.cache_clear()
     try:
         assert linear.gemm_rows() == linear.invariant_rows() == linear.MAX_ROWS
     finally:
-        monkeypatch.delenv("PDSERVE_AMX_GEMM")
+        monkeypatch.delenv("PDSERVE_CHUNK_GEMM")
         linear.gemm_rows.cache_clear()
 
 
-amx = pytest.mark.skipif(not small_linear_available() or not torch.ops.pdserve.small_linear_amx(),
-                         reason="no AMX tiles granted here")
-
-
-@amx
 @pytest.mark.parametrize("m,n,k,span", [(129, 48, 64, 33), (147, 40, 96, 16), (530, 960, 576, 64),
-                                        (200, 576, 1536, 32), (164, 17, 32, 16), (1400, 80, 576, 700)])
+                                        (200, 576, 1536, 32), (164, 17, 32, 16), (1400, 80, 576, 700),
+                                        (700, 27, 4100, 5)])
 def test_gemm_rows_equal_the_decode_path_bitwise(m, n, k, span):
-    """Above 128 rows the AMX GEMM runs (w packed per block, x rows as A tiles, spans of rows,
-    k in slices): every row gets exactly the bits the streaming path gives it in a small batch,
-    tails of rows (m % 16) and of columns (n % 16, on AVX-512) included, with a bias."""
+    """Prefill-sized inputs (above 128 rows the AMX GEMM where there is AMX: w packed per block,
+    x rows as A tiles, spans of rows, k in slices; elsewhere the AVX-512 dot products over
+    slices of x rows that fit L2): every row gets exactly the bits the streaming path gives it
+    in a small batch, tails of rows and of columns included, with a bias."""
     x, w, b = bf16(m, k, seed=11), bf16(n, k, seed=12), bf16(n, seed=13)
     big = small_linear(x, w, b)
     torch.testing.assert_close(big.float(), reference(x, w, b).float(), atol=3e-2, rtol=8e-3)
@@ -116,7 +113,17 @@ def test_gemm_rows_equal_the_decode_path_bitwise(m, n, k, span):
     assert torch.equal(small_linear(x[:span], w, b), big[:span])
 
 
-@amx
+@pytest.mark.parametrize("m", [1, 3, 40, 300])
+def test_a_weight_rows_output_does_not_depend_on_its_neighbours(m):
+    """Full blocks of 8 W rows sum their accumulators 8 at a time (hsum8), a block cut short
+    by N one by one: both in hsum's order, so a column has the same bits in either."""
+    x, w, b = bf16(m, 200, seed=16), bf16(24, 200, seed=17), bf16(24, seed=18)
+    full = small_linear(x, w, b)
+    for n in (1, 5, 7, 9, 15, 23):
+        assert torch.equal(small_linear(x, w[:n].contiguous(), b[:n].contiguous()), full[:, :n])
+    assert torch.equal(small_linear(x, w[3:].contiguous(), b[3:].contiguous()), full[:, 3:])
+
+
 def test_gemm_bits_do_not_depend_on_the_thread_count():
     x, w = bf16(530, 576, seed=14), bf16(960, 576, seed=15)
     with_threads = torch.get_num_threads()
