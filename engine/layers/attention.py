@@ -59,7 +59,7 @@ class PagedAttention(torch.nn.Module):
                 kk, vv = k[s:s + n], v[s:s + n]
             else:  # gathered from the pages: [ctx, KVH, D]
                 kk, vv = (layer[p.pages, i].flatten(0, 1)[:p.ctx] for i in (0, 1))
-            if fused:  # the AMX kernel: causal from the chunk's offset in its context, no mask
+            if fused:  # the kernel: causal from the chunk's offset in its context, no mask
                 out[s:s + n] = prefill_attention(q[s:s + n], kk, vv, self.scale)
                 continue
             mask = p.full_mask(q.dtype, q.device) if p.has_context else None
@@ -82,7 +82,7 @@ class PagedAttention(torch.nn.Module):
         fused = bool(fb.prefills) and prefill_kernel_usable(q)
         for p in fb.prefills:
             s, n = p.start, p.length
-            if fused:  # the AMX kernel, windowed: a chunk gets the bits it would get in one piece
+            if fused:  # the kernel, windowed: a chunk gets the bits it would get in one piece
                 kk, vv = self._window_keys(ring[p.swa_slot], k[s:s + n], v[s:s + n], p.ctx - n, w)
                 out[s:s + n] = prefill_attention(q[s:s + n], kk, vv, self.scale, w)
                 continue

@@ -150,7 +150,7 @@ def test_steps_give_the_same_bits_on_lent_threads(threads):
     finally:
         set_split_threads(0)
     assert runs[0] == runs[1] and all(len(v) == 12 for v in runs[0].values())
-    assert lent_steps >= 20  # decode steps, and with the AMX GEMM the prefill chunks too
+    assert lent_steps >= 20  # decode steps, and (the chunk GEMM) the prefill chunks too
 
 
 def test_the_step_row_bound():
