@@ -25,27 +25,38 @@ typedef float f32x4 __attribute__((vector_size(16)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
 
 inline f32x16 splat(float x) { return f32x16{} + x; }
 
-inline f32x16 load_bf16(const c10::BFloat16* p) {  // 16 bf16 -> fp32 (exact)
-  u16x16 h;
+// bf16 -> fp32 (exact) and back, for vectors of 16 (F f32x16, U u32x16, H u16x16) or 8 lanes.
+template <class F, class U, class H>
+inline F widen_bf16(const c10::BFloat16* p) {
+  H h;
   std::memcpy(&h, p, sizeof h);
-  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v;
+  const U bits = __builtin_convertvector(h, U) << 16;
+  F v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
 }
 
+inline f32x16 load_bf16(const c10::BFloat16* p) { return widen_bf16<f32x16, u32x16, u16x16>(p); }  // 16 bf16
+inline f32x8 load_bf16x8(const c10::BFloat16* p) { return widen_bf16<f32x8, u32x8, u16x8>(p); }  // 8 bf16
+
 // fp32 bits rounded to the nearest even bf16 in the top half (NaN stays NaN, quiet), in plain
 // integer arithmetic: denormals kept, whatever the CPU.
-inline u32x16 round_bf16_bits(f32x16 v) {
-  u32x16 bits;
+template <class U, class F>
+inline U round_bits(F v) {
+  U bits;
   std::memcpy(&bits, &v, sizeof bits);
-  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  const u32x16 nan = (bits | 0x00400000u) & 0xFFFF0000u;
+  const U rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  const U nan = (bits | 0x00400000u) & 0xFFFF0000u;
   return (bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded;
 }
+
+inline u32x16 round_bf16_bits(f32x16 v) { return round_bits<u32x16>(v); }
+inline u32x8 round_bf16_bits(f32x8 v) { return round_bits<u32x8>(v); }
 
 // fp32 rounded to the nearest even bf16 (NaN stays NaN), still as fp32 values.
 inline f32x16 round_bf16(f32x16 v) {
@@ -63,6 +74,11 @@ inline void store_bf16(c10::BFloat16* p, f32x16 rounded) {  // rounded: a round_
   u32x16 bits;
   std::memcpy(&bits, &rounded, sizeof bits);
   const u16x16 h = __builtin_convertvector(bits >> 16, u16x16);
+  std::memcpy(p, &h, sizeof h);
+}
+
+inline void store_bf16x8(c10::BFloat16* p, f32x8 v) {  // rounded to nearest even (round_bf16_bits)
+  const u16x8 h = __builtin_convertvector(round_bf16_bits(v) >> 16, u16x8);
   std::memcpy(p, &h, sizeof h);
 }
 

@@ -30,7 +30,7 @@ MAX_ROWS = 32
 # Rows up to which the kernel is used by default: prefill chunks too. Its bits do not depend
 # on the thread count, which lets such steps borrow idle cores. AMX GEMM at 512-600 rows:
 # oneDNN's speed (same-process alternation), at 2048 rows oneDNN is ~25% faster. AVX512-BF16
-# on AMD Zen 4 (one thread): 0.8-0.95x oneDNN at 64-512 rows, ~1.7x with a borrowed core.
+# on AMD Zen 4 (one thread): 0.8-0.95x oneDNN at 64-512 rows.
 GEMM_ROWS = 1024
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 

@@ -1,8 +1,8 @@
 """A prompt's tokens and logprobs do not depend on how the scheduler cut it into chunks or on
 what else shared its steps, as long as every step stays within `invariant_rows()` (the
-kernels' paths: the AMX GEMM and streaming linear, AMX prefill attention, paged attention).
-On a CPU without AMX the linears keep that contract but prefill attention runs on torch's
-SDPA, whose blocking depends on the chunk's length, so the test is skipped there.
+kernels' paths: the linear kernel (AMX GEMM or AVX512-BF16), the prefill attention kernel,
+paged attention). Without the prefill kernel (PDSERVE_PREFILL_ATTN=0, no AVX512-BF16) prompts
+take torch's SDPA, whose blocking depends on the chunk's length, so the test is skipped then.
 
 This is what makes PD output equal colocated output under load: a colocated rank's chunk
 boundaries depend on how many decode rows shared the step's token budget, a prefill rank's
@@ -41,7 +41,7 @@ def _run(prompts, budget: int, together: bool, model: str | None = None) -> dict
 def test_chunking_and_batching_leave_the_bits_alone(model):
     limit = invariant_rows()
     if limit < 1024 or not prefill_attention_available():
-        pytest.skip("needs the chunk GEMM and the AMX prefill attention (steps of up to 1024 rows on the kernels' paths)")
+        pytest.skip("needs the chunk GEMM and the prefill attention kernel (steps of up to 1024 rows on the kernels' paths)")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (1300, 530, 90)]
     alone = _run(prompts, limit, together=False, model=model)  # chunks of 1024 (+276), 530, 90
