@@ -1,9 +1,10 @@
-// bf16 linear for a few rows (decode steps), registered as
-// torch.ops.pdserve.small_linear (loader: engine/layers/linear_op.py).
+// bf16 linear for decode steps and prefill chunks, registered as
+// torch.ops.pdserve.small_linear and pack_linear_weight (loader: engine/layers/linear.py).
 //
-//   x     [M, K]   bf16, contiguous, M small (a decode batch)
+//   x     [M, K]   bf16, contiguous (a decode batch, a prefill chunk)
 //   w     [N, K]   bf16, contiguous (nn.Linear's layout)
 //   bias  [N]      bf16 or absent
+//   packed          pack_linear_weight(w), or absent
 //   out   [M, N]   bf16: x @ w.T + bias, accumulated in fp32 and rounded once
 //
 // Why: at batch 1 a decode step reads every weight once and does two flops per
@@ -16,17 +17,23 @@
 //    rows are one A tile exactly as they lie in memory; x is packed once per call
 //    into the VNNI B tile layout (16 columns of x rows, zero-padded); one
 //    TDPBF16PS per 32 k. Rows past the last full 16 take the AVX-512 path.
-//  * AVX512-BF16: vdpbf16ps dot products, eight W rows at a time (eight read
-//    streams, prefetched on the first pass) applied to three x rows per pass (24
-//    accumulators in registers), over slices of x rows that stay in L2. It also
-//    runs prefill chunks on CPUs without AMX (one thread on AMD Zen 4: 0.8-0.95x
-//    oneDNN at 64-512 rows, where the 4 x 4 version, its accumulators kept in
-//    memory by GCC, ran at ~0.35x).
+//  * AVX512-BF16 on w packed once per weight (pack_linear_weight; the Linear layer keeps
+//    the copy): panels of 64 output columns with k in pairs, wp[p][q][c][j] =
+//    w[64 p + c][2 q + j]. Per k pair, x's pair is broadcast against four zmm of the
+//    panel (vdpbf16ps), 6 x rows x 4 zmm (24 accumulators) per block, 1-3 rows over
+//    2-4 panels at once; no horizontal sums, one sequential read stream per panel.
+//    x in slices that stay in L2. It also runs prefill chunks on CPUs without AMX.
+//    One thread on AMD Zen 4, SmolLM2's 30 layers: ~220 GFLOP/s from 16 rows on
+//    (1.1-1.6x oneDNN at 16-1024 rows; 1.3-1.4x the dot-product kernel it
+//    replaced, which paid a horizontal sum per output); 1-row decode with the
+//    weights from memory 17.5 -> 8.7 ms (the 8-row-stream dot products read slower).
+//    Called without the packed copy, the op packs one itself (a pass over w).
 //
 // Numerics: every product of two bf16 values is exact in fp32; each output's fp32
 // sum runs over k in an order fixed by K and its row n alone (never by M, the
 // batch position or the thread count), so a row's result does not depend on the
-// batch it ran in. Rounded to bf16 once, after the bias.
+// batch it ran in. Rounded to bf16 once, after the bias. AVX-512: one fp32 lane
+// per output, the k pairs in order (vdpbf16ps adds a pair's two products).
 //
 // Without AVX512-BF16 at compile time the op reports itself unsupported
 // (small_linear_supported() == false) and the loader uses torch's linear.
@@ -55,10 +62,12 @@
 namespace pdserve {
 namespace {
 
-constexpr int64_t kRows = 8;  // W rows per block (independent read streams)
-constexpr int64_t kXRows = 3;  // x rows per pass over a W block
-constexpr int64_t kGrainBytes = 64 * 1024;  // W bytes per parallel work chunk, at least
-constexpr int64_t kSliceBytes = 192 * 1024;  // x bytes per pass over a chunk's W blocks, at most
+constexpr int64_t kPanel = 64;  // output columns per packed panel (four zmm of 16 fp32)
+constexpr int kPanelVecs = 4;
+constexpr int kMaxMR = 6;  // x rows per block (6 x 4 zmm = 24 accumulators)
+constexpr int kGroup = 4;  // panels per group: each row block of an x slice runs over a group in turn
+constexpr int64_t kGrainBytes = 64 * 1024;  // packed W bytes per parallel work chunk, at least
+constexpr int64_t kSliceBytes = 192 * 1024;  // x bytes per pass over a chunk's panels, at most
 // Above this many x rows the AMX GEMM (csrc/amx_gemm.cpp: w packed per block, reused
 // by every row) replaces the streaming path for matrices up to kGemmMaxWeights; both give
 // every row the same bits. Same-process alternation (1 thread): the streaming path is
@@ -69,119 +78,126 @@ constexpr int64_t kGemmMaxWeights = 8 << 20;
 
 #if defined(__AVX512BF16__)
 
-inline __m512bh load_bf16(const c10::BFloat16* p, int64_t k, int64_t K) {
-  // 32 bf16 from p + k; lanes past K read as zero.
-  if (k + 32 <= K) return (__m512bh)_mm512_loadu_si512(p + k);
-  const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
-  return (__m512bh)_mm512_maskz_loadu_epi16(m, p + k);
-}
-
-// out[m][r] = dot(x[m], w[r]) for r < nr (<= kRows), m < nm (<= kXRows).
-// NOTE: the full 32-wide steps and the masked tail are separate loops: with one loop and a
-// load that branches per step, GCC kept the accumulators in memory (a store per product).
-template <int NR, int NM, bool Tail, bool Prefetch>
-inline void block_step(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k, int64_t K, __m512 (&acc)[NM][NR]) {
-  __m512bh xv[NM];
-  for (int m = 0; m < NM; ++m)
-    xv[m] = Tail ? load_bf16(x + m * K, k, K) : (__m512bh)_mm512_loadu_si512(x + m * K + k);
-  for (int r = 0; r < NR; ++r) {
-    // The block two blocks ahead, same offset: rows are adjacent, so that is
-    // 2 * kRows * K elements further on (past the end only reads the next
-    // allocation's address; a prefetch never faults).
-    if (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + 2 * kRows * K), _MM_HINT_T0);
-    const __m512bh wv = Tail ? load_bf16(w + r * K, k, K) : (__m512bh)_mm512_loadu_si512(w + r * K + k);
-    for (int m = 0; m < NM; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv[m], wv);
-  }
-}
-
-// The rounded outputs of one block: out[m * N + r] = bf16(sum[m][r] + bias[r]).
-// A full block of kRows rows sums its 8 accumulators per x row in one vec::hsum8 and writes
-// 8 outputs at once (with 24 scalar sums the epilogue cost about what 7 of a block's 18 k steps cost at
-// K = 576, fitted from the K = 576 and K = 1536 rates).
-template <int NR, int NM>
-inline void finish(const __m512 (&acc)[NM][NR], const c10::BFloat16* bias, c10::BFloat16* out, int64_t N) {
-  if constexpr (NR == 8) {
-    for (int m = 0; m < NM; ++m) {
-      vec::f32x16 rows[8];
-      std::memcpy(rows, acc[m], sizeof rows);
-      vec::f32x8 v = vec::hsum8(rows);
-      if (bias) v += vec::load_bf16x8(bias);
-      // rounded as c10::BFloat16(float) rounds (only a NaN's bits may differ: both NaN)
-      vec::store_bf16x8(out + m * N, v);
+// out[m][col + c] for m < MR and the NP panels' columns c (cut to [c0, c1)):
+//   sum over pairs q = 0, 1, ..., K2 - 1 of x[m][2q] w[col + c][2q] + x[m][2q + 1] w[col + c][2q + 1]
+// in one fp32 lane per output (vdpbf16ps: x's pair broadcast against a panel row of 16
+// columns x 2), plus the bias, rounded once. wp: the first panel; later ones pstride further.
+template <int MR, int NP>
+void packed_block(const uint16_t* x, int64_t ldx, const c10::BFloat16* wp, int64_t pstride, int64_t K2,
+                  const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, int64_t col, int64_t c0, int64_t c1) {
+  constexpr int NV = NP * kPanelVecs;
+  __m512 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < K2; ++q) {
+    __m512bh wv[NV];
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < kPanelVecs; ++v)
+        wv[p * kPanelVecs + v] = (__m512bh)_mm512_loadu_si512(wp + p * pstride + q * 2 * kPanel + v * 32);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + 2 * q, sizeof pair);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], wv[v], xb);
     }
-  } else {
-    for (int m = 0; m < NM; ++m)
-      for (int r = 0; r < NR; ++r) {
-        float v = _mm512_reduce_add_ps(acc[m][r]);  // hsum's order
-        if (bias) v += static_cast<float>(bias[r]);
-        out[m * N + r] = c10::BFloat16(v);  // round to nearest even
-      }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c = col + v * 16;
+    const int64_t lo = std::max(c0, c) - c, hi = std::min(c1, c + 16) - c;
+    if (lo >= hi) continue;
+    const __mmask16 mask = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c)), 16));
+    for (int m = 0; m < MR; ++m) {
+      const __m512 s = bias ? _mm512_add_ps(acc[m][v], b) : acc[m][v];
+      // rounded to nearest even, as c10::BFloat16(float) rounds (only a NaN's bits may differ)
+      _mm256_mask_storeu_epi16(out + m * ldo + c, mask, (__m256i)_mm512_cvtneps_pbh(s));
+    }
   }
 }
 
-// out[m][r] = dot(x[m], w[r]) + bias[r] for r < NR (<= kRows), m < NM (<= kXRows), rounded.
-// Prefetch: the first pass over this W block (it comes from memory; later passes find it in L1).
-template <int NR, int NM, bool Prefetch>
-inline void block(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, const c10::BFloat16* bias,
-                  c10::BFloat16* out, int64_t N) {
-  __m512 acc[NM][NR];
-  for (int m = 0; m < NM; ++m)
-    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
-  const int64_t full = K / 32 * 32;
-  for (int64_t k = 0; k < full; k += 32) block_step<NR, NM, false, Prefetch>(w, x, k, K, acc);
-  if (full < K) block_step<NR, NM, true, Prefetch>(w, x, full, K, acc);
-  finish<NR, NM>(acc, bias, out, N);
+using PackedFn = void (*)(const uint16_t*, int64_t, const c10::BFloat16*, int64_t, int64_t, const c10::BFloat16*,
+                          c10::BFloat16*, int64_t, int64_t, int64_t, int64_t);
+
+// Panels per block for a block of mr rows: 16-24 accumulators (fewer rows, more read streams).
+constexpr int panels_for(int mr) { return mr == 1 ? 4 : mr == 2 ? 3 : mr == 3 ? 2 : 1; }
+
+template <int MR>
+PackedFn pick(int np) {
+  if constexpr (panels_for(MR) == 1) return packed_block<MR, 1>;
+  else return np == panels_for(MR) ? packed_block<MR, panels_for(MR)> : packed_block<MR, 1>;
 }
 
-// block<NR, NM, Prefetch> for run-time nr in [1, kRows], nm in [1, kXRows].
-using BlockFn = void (*)(const c10::BFloat16*, const c10::BFloat16*, int64_t, const c10::BFloat16*, c10::BFloat16*,
-                         int64_t);
-
-template <int... NR>
-struct BlockTable {
-  template <int NM, bool Prefetch>
-  static constexpr BlockFn pick(int nr) {
-    BlockFn fns[] = {block<NR + 1, NM, Prefetch>...};
-    return fns[nr - 1];
-  }
-};
-
-template <bool Prefetch>
-inline BlockFn block_fn(int nr, int nm) {
-  using T = BlockTable<0, 1, 2, 3, 4, 5, 6, 7>;
-  static_assert(kRows == 8 && kXRows == 3, "block_fn's table lists 8 x 3 instances");
-  switch (nm) {
-    case 1: return T::pick<1, Prefetch>(nr);
-    case 2: return T::pick<2, Prefetch>(nr);
-    default: return T::pick<3, Prefetch>(nr);
+// packed_block<mr, np> for np == panels_for(mr) or 1.
+PackedFn packed_fn(int mr, int np) {
+  static_assert(kMaxMR == 6, "packed_fn lists 6 row counts");
+  switch (mr) {
+    case 1: return pick<1>(np);
+    case 2: return pick<2>(np);
+    case 3: return pick<3>(np);
+    case 4: return pick<4>(np);
+    case 5: return pick<5>(np);
+    default: return pick<6>(np);
   }
 }
 
-// Rows [n0, N) of the output with AVX512-BF16 dot products.
-void run_avx512(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
+// Columns [n0, N) of out; wp packs exactly those (panel p: columns n0 + 64 p ...).
+void run_packed(const c10::BFloat16* x, const c10::BFloat16* wp, const c10::BFloat16* bias, c10::BFloat16* out,
                 int64_t M, int64_t N, int64_t K, int64_t n0) {
-  const int64_t blocks = (N - n0 + kRows - 1) / kRows;
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kRows * K * 2));
-  // x rows per pass over a thread's W blocks: a slice that stays in L2 while each W block is
-  // applied to it (with all of x per W block, x came from L3 at a few hundred rows).
-  const int64_t slice = std::max<int64_t>(kXRows, kSliceBytes / (K * 2) / kXRows * kXRows);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  const int64_t K2 = (K + 1) / 2;
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
+  int64_t ldx = K;
+  std::vector<uint16_t> xpad;
+  if (K % 2) {  // odd K: rows padded with a zero, so a row's last pair does not read the next row
+    ldx = K + 1;
+    xpad.assign(static_cast<size_t>(M * ldx), 0);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(xpad.data() + m * ldx, xs + m * K, K * sizeof(uint16_t));
+    xs = xpad.data();
+  }
+  const int64_t pstride = K2 * 2 * kPanel;  // elements per panel
+  const int64_t panels = (N - n0 + kPanel - 1) / kPanel;
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (pstride * 2));
+  // x rows per pass over a thread's panels: a slice that stays in L2 while the panels stream by
+  const int64_t slice = std::max<int64_t>(kMaxMR, kSliceBytes / (ldx * 2) / kMaxMR * kMaxMR);
+  at::parallel_for(0, panels, grain, [&](int64_t pb, int64_t pe) {
     for (int64_t m0 = 0; m0 < M; m0 += slice) {
-      const int64_t m1 = std::min(M, m0 + slice);
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n = n0 + b * kRows;
-        const int nr = (int)std::min<int64_t>(kRows, N - n);
-        const c10::BFloat16* wb = w + n * K;
-        for (int64_t m = m0; m < m1; m += kXRows) {
-          const int nm = (int)std::min<int64_t>(kXRows, m1 - m);
-          const BlockFn fn = m == m0 ? block_fn<true>(nr, nm) : block_fn<false>(nr, nm);
-          fn(wb, x + m * K, K, bias ? bias + n : nullptr, out + m * N + n, N);
+      const int64_t rows = std::min(M, m0 + slice) - m0;
+      const int64_t blocks = (rows + kMaxMR - 1) / kMaxMR;  // of near-equal size, kMaxMR at most
+      for (int64_t g = pb; g < pe; g += kGroup) {
+        const int64_t ge = std::min(pe, g + kGroup);
+        for (int64_t bi = 0, m = m0; bi < blocks; ++bi) {
+          const int mr = (int)(rows * (bi + 1) / blocks - (m - m0));
+          for (int64_t p = g; p < ge;) {
+            const int np = p + panels_for(mr) <= ge ? panels_for(mr) : 1;
+            packed_fn(mr, np)(xs + m * ldx, ldx, wp + p * pstride, pstride, K2, bias, out + m * N, N,
+                              n0 + p * kPanel, n0, N);
+            p += np;
+          }
+          m += mr;
         }
       }
     }
   });
 }
 
+// w's columns [n0, N) packed as run_packed reads them: wp[p][q][c][j] = w[n0 + 64 p + c][2 q + j],
+// zero past N and K.
+at::Tensor pack(const at::Tensor& w, int64_t n0) {
+  const int64_t N = w.size(0), K = w.size(1), K2 = (K + 1) / 2, P = (N - n0 + kPanel - 1) / kPanel;
+  at::Tensor wp = at::zeros({P, K2, kPanel, 2}, w.options());
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  uint16_t* d = reinterpret_cast<uint16_t*>(wp.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c = 0; c < kPanel && n0 + p * kPanel + c < N; ++c) {
+        const uint16_t* row = ws + (n0 + p * kPanel + c) * K;
+        uint16_t* dst = d + p * K2 * 2 * kPanel + c * 2;
+        for (int64_t k = 0; k < K; ++k) dst[(k / 2) * 2 * kPanel + (k % 2)] = row[k];
+      }
+  });
+  return wp;
+}
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define PDSERVE_AMX 1
@@ -299,12 +315,37 @@ bool small_linear_supported() {
 #endif
 }
 
-at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(small_linear_supported(), "small_linear: built without AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "small_linear: x [M, K] and w [N, K] expected");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "small_linear: x and w must be bfloat16");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "small_linear: x and w must be contiguous");
+// The first output column the AVX-512 path computes (and pack_linear_weight packs): past the
+// last full 16 where the AMX paths run this shape (K % 32 == 0, N >= 16, AMX granted), else 0.
+int64_t avx_first_column(int64_t N, int64_t K) {
+#if defined(PDSERVE_AMX)
+  if (K % 32 == 0 && N >= 16 && amx::permitted()) return N / 16 * 16;
+#endif
+  (void)K;
+  (void)N;
+  return 0;
+}
+
+void check_weight(const at::Tensor& w, const char* who) {
+  TORCH_CHECK(small_linear_supported(), who, ": built without AVX512-BF16");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(), who,
+              ": w must be a contiguous bfloat16 [N, K]");
+}
+
+at::Tensor pack_linear_weight_cpu(const at::Tensor& w) {
+  check_weight(w, "pack_linear_weight");
+#if defined(__AVX512BF16__)
+  return pack(w, avx_first_column(w.size(0), w.size(1)));
+#else
+  return at::Tensor();
+#endif
+}
+
+at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                            const c10::optional<at::Tensor>& packed) {
+  check_weight(w, "small_linear");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "small_linear: x must be a contiguous bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "small_linear: x has ", K, " columns, w has ", w.size(1));
   const c10::BFloat16* b = nullptr;
@@ -316,18 +357,29 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
   }
   at::Tensor out = at::empty({M, N}, x.options());
 #if defined(__AVX512BF16__)
+  const int64_t n0 = avx_first_column(N, K);
+  at::Tensor wp;
+  if (packed.has_value() && packed->defined()) {
+    wp = *packed;
+    const int64_t P = (N - n0 + kPanel - 1) / kPanel, K2 = (K + 1) / 2;
+    TORCH_CHECK(wp.scalar_type() == at::kBFloat16 && wp.is_contiguous() && wp.dim() == 4 && wp.size(0) == P &&
+                    wp.size(1) == K2 && wp.size(2) == kPanel && wp.size(3) == 2,
+                "small_linear: packed must be pack_linear_weight(w) for this w");
+  }
   if (M && N && K) {
     const auto* xd = x.data_ptr<c10::BFloat16>();
     const auto* wd = w.data_ptr<c10::BFloat16>();
     auto* od = out.data_ptr<c10::BFloat16>();
-    int64_t n0 = 0;
 #if defined(PDSERVE_AMX)
-    if (M > kGemmRows && N * K <= kGemmMaxWeights && amx_gemm(xd, wd, b, od, M, N, K))
-      n0 = N / 16 * 16;
-    else
-      n0 = run_amx(xd, wd, b, od, M, N, K);
+    if (n0) {
+      if (!(M > kGemmRows && N * K <= kGemmMaxWeights && amx_gemm(xd, wd, b, od, M, N, K)))
+        TORCH_CHECK(run_amx(xd, wd, b, od, M, N, K) == n0, "small_linear: AMX path covered fewer columns");
+    }
 #endif
-    if (n0 < N) run_avx512(xd, wd, b, od, M, N, K, n0);
+    if (n0 < N) {
+      if (!wp.defined()) wp = pack(w, n0);  // a call without the layer's packed copy: packed here
+      run_packed(xd, wp.data_ptr<c10::BFloat16>(), b, od, M, N, K, n0);
+    }
   } else if (M && N) {
     out.zero_();
     if (b) out.add_(*bias);
@@ -339,11 +391,13 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
 }  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
-  m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor w, Tensor? bias, Tensor? packed=None) -> Tensor");
+  m.def("pack_linear_weight(Tensor w) -> Tensor");
   m.def("small_linear_supported() -> bool", &pdserve::small_linear_supported);
   m.def("small_linear_amx() -> bool", &pdserve::small_linear_amx);
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("small_linear", &pdserve::small_linear_cpu);
+  m.impl("pack_linear_weight", &pdserve::pack_linear_weight_cpu);
 }

@@ -2,17 +2,18 @@
 
 A decode step multiplies a handful of rows by every weight matrix once, so its
 time is the time to stream the weights from memory. `csrc/small_linear.cpp`
-(torch.ops.pdserve.small_linear: AMX tiles, else AVX512-BF16 dot products)
-streams them at close to the machine's read bandwidth, where oneDNN's bf16 GEMV
-reached about half of it, and gives each row the same result whatever batch it
-is in and at any thread count. Prefill chunks of up to GEMM_ROWS rows take it too:
-above 128 rows an AMX GEMM (`csrc/amx_gemm.cpp`) where the CPU has AMX, the
-AVX512-BF16 dot products (blocked over x rows) elsewhere, both with the per-row
-bits of a decode batch; larger inputs keep torch's GEMM (oneDNN). The first call
-JIT-builds the kernel (`-march=native`); on a CPU or compiler without
-AVX512-BF16 the op says it is unsupported and torch's linear is used.
-Set PDSERVE_SMALL_LINEAR=0 to force torch's path, PDSERVE_CHUNK_GEMM=0 to keep
-prefill chunks (more than MAX_ROWS rows) on it (for comparison).
+(torch.ops.pdserve.small_linear: AMX tiles, else AVX512-BF16 on a copy of the weight
+packed once in k pairs, `pack_weight`) streams them at close to the machine's read
+bandwidth, where oneDNN's bf16 GEMV reached about half of it, and gives each row the
+same result whatever batch it is in and at any thread count. Prefill chunks of up to
+GEMM_ROWS rows take it too: above 128 rows an AMX GEMM (`csrc/amx_gemm.cpp`) where the
+CPU has AMX, the packed AVX512-BF16 kernel elsewhere (1.1-1.2x oneDNN's speed at 64-1024
+rows on AMD Zen 4), both with the per-row bits of a decode batch; larger inputs keep
+torch's GEMM (oneDNN). The layer keeps the packed copy (made at model load: one more
+copy of the weights in memory). The first call JIT-builds the kernel (`-march=native`);
+on a CPU or compiler without AVX512-BF16 the op says it is unsupported and torch's
+linear is used. Set PDSERVE_SMALL_LINEAR=0 to force torch's path, PDSERVE_CHUNK_GEMM=0
+to keep prefill chunks (more than MAX_ROWS rows) on it (for comparison).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ MAX_ROWS = 32
 # Rows up to which the kernel is used by default: prefill chunks too. Its bits do not depend
 # on the thread count, which lets such steps borrow idle cores. AMX GEMM at 512-600 rows:
 # oneDNN's speed (same-process alternation), at 2048 rows oneDNN is ~25% faster. AVX512-BF16
-# on AMD Zen 4 (one thread): 0.8-0.95x oneDNN at 64-512 rows.
+# (packed weights) on AMD Zen 4, one thread: 1.1-1.2x oneDNN at 64-1024 rows.
 GEMM_ROWS = 1024
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
@@ -44,13 +45,22 @@ def small_linear_available() -> bool:
     return bool(torch.ops.pdserve.small_linear_supported())
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T + bias, all bf16 contiguous on the CPU -> [M, N] bf16.
 
-    Accumulates in fp32 in an order that depends only on K, rounds once. Raises
-    RuntimeError on other dtypes, layouts or shapes, or when unsupported here.
+    Accumulates in fp32 in an order that depends only on K, rounds once. `packed` is
+    pack_weight(weight) (without it the call packs a copy itself, a pass over the weight).
+    Raises RuntimeError on other dtypes, layouts or shapes, or when unsupported here.
     """
-    return torch.ops.pdserve.small_linear(x, weight, bias)
+    return torch.ops.pdserve.small_linear(x, weight, bias, packed)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The copy of a bf16 [N, K] weight that small_linear's AVX-512 path reads: panels of 64
+    output columns, k in pairs (VNNI); only the columns that path computes (where AMX runs a
+    shape, those past the last full 16)."""
+    return torch.ops.pdserve.pack_linear_weight(weight)
 
 
 @functools.cache
@@ -70,11 +80,27 @@ def invariant_rows() -> int:
 
 class Linear(nn.Linear):
     """Drop-in nn.Linear (same parameters and names) that routes bf16 CPU inputs of up to
-    gemm_rows() rows to the kernel."""
+    gemm_rows() rows to the kernel, with the weight's packed copy made once (prepare(), or the
+    first such call) and remade if the weight is replaced or changed in place."""
+
+    _packed: tuple[tuple[int, int, tuple[int, ...]], torch.Tensor] | None = None
+
+    def prepare(self) -> None:
+        """Pack the weight now (model load) rather than on the first step that needs it."""
+        w = self.weight
+        if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() and small_linear_available():
+            self.packed_weight()
+
+    def packed_weight(self) -> torch.Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version, tuple(w.shape))
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, pack_weight(w))
+        return self._packed[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (x.dim() == 2 and w.dtype == torch.bfloat16 and x.dtype == w.dtype and w.device.type == "cpu"
-                and x.shape[0] <= gemm_rows() and small_linear_available()):
-            return small_linear(x.contiguous(), w, self.bias)
+                and x.shape[0] <= gemm_rows() and w.is_contiguous() and small_linear_available()):
+            return small_linear(x.contiguous(), w, self.bias, self.packed_weight())
         return F.linear(x, w, self.bias)

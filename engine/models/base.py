@@ -64,3 +64,6 @@ class DecoderLM(nn.Module):
 
     def load_weights(self, loader: WeightLoader) -> None:
         loader.load_into(self)
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.prepare()  # the kernel's packed weight copies, made before the first step

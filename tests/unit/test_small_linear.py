@@ -28,7 +28,8 @@ def reference(x, w, b=None) -> torch.Tensor:
 @pytest.mark.parametrize("m", [1, 2, 4, 5, 9, 16, 17, 33])
 # K % 32 == 0 with N >= 16 runs on AMX tiles where present (N past the last full 16 rows,
 # and every other shape, on AVX-512): cover full tiles, tails and the AVX-only shapes.
-@pytest.mark.parametrize("k,n", [(576, 960), (64, 50), (96, 33), (64, 7), (40, 5), (100, 33), (1536, 1), (32, 4)])
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 50), (96, 33), (64, 7), (40, 5), (100, 33), (1536, 1), (32, 4),
+                                 (101, 70), (7, 3)])
 def test_matches_fp32_reference(m, k, n):
     x, w = bf16(m, k, seed=1), bf16(n, k, seed=2)
     out = small_linear(x, w)
@@ -102,7 +103,7 @@ def test_without_the_chunk_gemm_prefill_chunks_use_torch(monkeypatch):
                                         (700, 27, 4100, 5)])
 def test_gemm_rows_equal_the_decode_path_bitwise(m, n, k, span):
     """Prefill-sized inputs (above 128 rows the AMX GEMM where there is AMX: w packed per block,
-    x rows as A tiles, spans of rows, k in slices; elsewhere the AVX-512 dot products over
+    x rows as A tiles, spans of rows, k in slices; elsewhere the AVX-512 broadcast kernel over
     slices of x rows that fit L2): every row gets exactly the bits the streaming path gives it
     in a small batch, tails of rows and of columns included, with a bias."""
     x, w, b = bf16(m, k, seed=11), bf16(n, k, seed=12), bf16(n, seed=13)
@@ -115,13 +116,35 @@ def test_gemm_rows_equal_the_decode_path_bitwise(m, n, k, span):
 
 @pytest.mark.parametrize("m", [1, 3, 40, 300])
 def test_a_weight_rows_output_does_not_depend_on_its_neighbours(m):
-    """Full blocks of 8 W rows sum their accumulators 8 at a time (hsum8), a block cut short
-    by N one by one: both in hsum's order, so a column has the same bits in either."""
-    x, w, b = bf16(m, 200, seed=16), bf16(24, 200, seed=17), bf16(24, seed=18)
+    """Each output column is one fp32 lane of a 64-column panel whatever columns share it (the
+    panel cut short by N, a panel boundary moved by dropping leading rows): same bits."""
+    x, w, b = bf16(m, 200, seed=16), bf16(150, 200, seed=17), bf16(150, seed=18)
     full = small_linear(x, w, b)
-    for n in (1, 5, 7, 9, 15, 23):
+    for n in (1, 5, 7, 9, 15, 23, 64, 65, 129):
         assert torch.equal(small_linear(x, w[:n].contiguous(), b[:n].contiguous()), full[:, :n])
     assert torch.equal(small_linear(x, w[3:].contiguous(), b[3:].contiguous()), full[:, 3:])
+
+
+def test_the_layers_packed_copy_gives_the_same_bits_and_follows_the_weight():
+    layer = Linear(96, 130, bias=True).to(torch.bfloat16).requires_grad_(False)
+    x = bf16(5, 96, seed=19)
+    layer.prepare()
+    packed = layer.packed_weight()
+    assert packed.dtype == torch.bfloat16 and packed.shape[1:] == (48, 64, 2)
+    assert torch.equal(layer(x), small_linear(x, layer.weight, layer.bias))
+    assert torch.equal(small_linear(x, layer.weight, layer.bias, packed), layer(x))
+    layer.weight.mul_(2)  # changed in place: packed again
+    assert layer.packed_weight() is not packed
+    torch.testing.assert_close(layer(x).float(), reference(x, layer.weight, layer.bias).float(),
+                               atol=3e-2, rtol=8e-3)
+    layer.weight = torch.nn.Parameter(bf16(130, 96, seed=20), requires_grad=False)  # replaced
+    assert torch.equal(layer(x), small_linear(x, layer.weight, layer.bias))
+
+
+def test_a_packed_copy_of_another_shape_is_refused():
+    w = bf16(70, 64, seed=21)
+    with pytest.raises(RuntimeError, match="small_linear: packed"):
+        small_linear(bf16(2, 64, seed=22), w, None, linear.pack_weight(bf16(70, 96, seed=23)))
 
 
 def test_gemm_bits_do_not_depend_on_the_thread_count():
