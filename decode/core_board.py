@@ -12,8 +12,9 @@ The cost of a wrong guess is bounded by one layer: a peer that gets work marks i
 before its first step, and the borrower, which rechecks the board between layers, drops back
 at its next layer boundary. `settle_s` keeps the short gaps of a busy rank (a request
 finishing just before the next arrives) from being lent.
-Numerics: by default only steps of at most `invariant_rows` rows borrow (1024 with the linear
-kernel on prefill chunks, 32 with PDSERVE_CHUNK_GEMM=0: engine/layers/linear.py). Their ops
+Numerics: by default only steps of at most `invariant_rows` rows borrow (every step with the
+packed AVX512-BF16 linear kernel, 1024 rows with its AMX GEMM, 32 with PDSERVE_CHUNK_GEMM=0:
+engine/layers/linear.py). Their ops
 give a row the same bits at any thread count (small_linear and its AMX GEMM, prefill and paged attention, RMSNorm,
 act_and_mul, rotary, race_sample, elementwise torch ops; paged attention's split-K is planned
 for the rank's own thread count, `set_split_threads`), so outputs do not depend on timing.

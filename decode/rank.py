@@ -342,7 +342,8 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
         closers = (*closers, loop.board.close)
         log.info("core board %s slot %d: %d own thread(s), up to %d with idle peers for %s", cfg.core_board,
                  cfg.core_slot, loop.board.own, loop.board.max,
-                 "every step" if cfg.lend_all else f"steps of at most {loop.board.invariant_rows} rows")
+                 "every step" if cfg.lend_all or loop.board.invariant_rows == sys.maxsize
+                 else f"steps of at most {loop.board.invariant_rows} rows")
     link.start()
     try:
         loop.run(link)

@@ -5,11 +5,11 @@ time is the time to stream the weights from memory. `csrc/small_linear.cpp`
 (torch.ops.pdserve.small_linear: AMX tiles, else AVX512-BF16 on a copy of the weight
 packed once in k pairs, `pack_weight`) streams them at close to the machine's read
 bandwidth, where oneDNN's bf16 GEMV reached about half of it, and gives each row the
-same result whatever batch it is in and at any thread count. Prefill chunks of up to
-GEMM_ROWS rows take it too: above 128 rows an AMX GEMM (`csrc/amx_gemm.cpp`) where the
-CPU has AMX, the packed AVX512-BF16 kernel elsewhere (1.1-1.2x oneDNN's speed at 64-1024
-rows on AMD Zen 4), both with the per-row bits of a decode batch; larger inputs keep
-torch's GEMM (oneDNN). The layer keeps the packed copy (made at model load: one more
+same result whatever batch it is in and at any thread count. Prefill chunks take it too:
+where the CPU has AMX, up to GEMM_ROWS rows, above 128 rows on an AMX GEMM
+(`csrc/amx_gemm.cpp`; larger inputs keep torch's GEMM, oneDNN); elsewhere the packed
+AVX512-BF16 kernel at any row count (1.1-1.2x oneDNN's speed at 64-1024 rows on AMD
+Zen 4); both with the per-row bits of a decode batch. The layer keeps the packed copy (made at model load: one more
 copy of the weights in memory). The first call JIT-builds the kernel (`-march=native`);
 on a CPU or compiler without AVX512-BF16 the op says it is unsupported and torch's
 linear is used. Set PDSERVE_SMALL_LINEAR=0 to force torch's path, PDSERVE_CHUNK_GEMM=0
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +29,13 @@ from engine.layers.jit import load_kernel
 
 # Rows up to which the kernel is used with PDSERVE_CHUNK_GEMM=0: decode batches.
 MAX_ROWS = 32
-# Rows up to which the kernel is used by default: prefill chunks too. Its bits do not depend
-# on the thread count, which lets such steps borrow idle cores. AMX GEMM at 512-600 rows:
-# oneDNN's speed (same-process alternation), at 2048 rows oneDNN is ~25% faster. AVX512-BF16
-# (packed weights) on AMD Zen 4, one thread: 1.1-1.2x oneDNN at 64-1024 rows.
+# Rows up to which the kernel is used by default where the CPU has AMX: prefill chunks too. Its
+# bits do not depend on the thread count, which lets such steps borrow idle cores. AMX GEMM at
+# 512-600 rows: oneDNN's speed (same-process alternation), at 2048 rows oneDNN is ~25% faster.
 GEMM_ROWS = 1024
+# Without AMX the packed AVX512-BF16 kernel takes inputs of any row count (AMD Zen 4, one
+# thread: 1.1-1.2x oneDNN at 64-1024 rows, x in slices that fit L2 above that).
+ALL_ROWS = sys.maxsize
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
@@ -65,10 +68,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def gemm_rows() -> int:
-    """Rows up to which Linear uses the kernel (cached per process): GEMM_ROWS, or MAX_ROWS
-    with PDSERVE_CHUNK_GEMM=0 (prefill chunks on oneDNN)."""
+    """Rows up to which Linear uses the kernel (cached per process): GEMM_ROWS with AMX, else
+    ALL_ROWS; MAX_ROWS with PDSERVE_CHUNK_GEMM=0 (prefill chunks on oneDNN)."""
     if os.environ.get("PDSERVE_CHUNK_GEMM", "1") != "0" and small_linear_available():
-        return GEMM_ROWS
+        return GEMM_ROWS if torch.ops.pdserve.small_linear_amx() else ALL_ROWS
     return MAX_ROWS
 
 

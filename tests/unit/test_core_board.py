@@ -114,7 +114,8 @@ def test_steps_of_unstable_bits_borrow_only_when_asked(tmp_path, threads):
 def test_steps_give_the_same_bits_on_lent_threads(threads):
     """The numerics contract that lets steps of up to `invariant_rows` rows borrow threads by
     default: prompts run on 1 thread, or with every step that may borrow on 2 (prefill chunks
-    of one prompt or several, and decode batches at contexts past 1024 tokens, where 2 threads
+    of one prompt or several, up to 4096 rows a step where the kernel takes any row count, and
+    decode batches at contexts past 1024 tokens, where 2 threads
     would cut split-K), give bitwise the same tokens and logprobs."""
     from engine.config import EngineConfig as Cfg
     from engine.layers.linear import invariant_rows
@@ -129,7 +130,7 @@ def test_steps_give_the_same_bits_on_lent_threads(threads):
     try:
         set_split_threads(1)
         for lent in (1, 2):
-            eng = LLMEngine(Cfg(num_threads=1, kv_cache_gb=0.25, max_num_batched_tokens=max(limit, 32)))
+            eng = LLMEngine(Cfg(num_threads=1, kv_cache_gb=0.25, max_num_batched_tokens=min(max(limit, 32), 4096)))
             params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
                       SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True, logprobs=2),
                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),

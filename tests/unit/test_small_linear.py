@@ -74,18 +74,20 @@ def test_bad_inputs_raise(bad):
         bad()
 
 
-def test_layer_routes_small_bf16_batches_to_the_kernel(monkeypatch):
+def test_layer_routes_bf16_batches_to_the_kernel(monkeypatch):
+    """With AMX up to GEMM_ROWS rows (oneDNN above); without it, every row count."""
     layer = Linear(64, 24, bias=True).to(torch.bfloat16).requires_grad_(False)
     calls = []
     monkeypatch.setattr(linear, "small_linear", lambda *a: calls.append(a[0].shape[0]) or small_linear(*a))
     limit = linear.gemm_rows()
-    assert limit == linear.GEMM_ROWS
-    for m in (1, linear.MAX_ROWS, limit, limit + 1):
+    amx = torch.ops.pdserve.small_linear_amx()
+    assert limit == (linear.GEMM_ROWS if amx else linear.ALL_ROWS) == linear.invariant_rows()
+    for m in (1, linear.MAX_ROWS, linear.GEMM_ROWS, linear.GEMM_ROWS + 1):
         x = bf16(m, 64, seed=m)
         torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(),
                                    atol=2e-2, rtol=2e-2)
     layer.float()(bf16(1, 64, seed=1).float())  # fp32 stays on torch's path
-    assert calls == [1, linear.MAX_ROWS, limit]
+    assert calls == [1, linear.MAX_ROWS, linear.GEMM_ROWS] + ([] if amx else [linear.GEMM_ROWS + 1])
 
 
 def test_without_the_chunk_gemm_prefill_chunks_use_torch(monkeypatch):
