@@ -22,7 +22,8 @@
 //    w[64 p + c][2 q + j]. Per k pair, x's pair is broadcast against four zmm of the
 //    panel (vdpbf16ps), 6 x rows x 4 zmm (24 accumulators) per block, 1-3 rows over
 //    2-4 panels at once; no horizontal sums, one sequential read stream per panel.
-//    x in slices that stay in L2. It also runs prefill chunks on CPUs without AMX.
+//    x in slices that stay in L2; threads split the panels (and the slices, for few
+//    panels). It also runs prefill chunks on CPUs without AMX.
 //    One thread on AMD Zen 4, SmolLM2's 30 layers: ~220 GFLOP/s from 16 rows on
 //    (1.1-1.6x oneDNN at 16-1024 rows; 1.3-1.4x the dot-product kernel it
 //    replaced, which paid a horizontal sum per output); 1-row decode with the
@@ -68,6 +69,7 @@ constexpr int kMaxMR = 6;  // x rows per block (6 x 4 zmm = 24 accumulators)
 constexpr int kGroup = 4;  // panels per group: each row block of an x slice runs over a group in turn
 constexpr int64_t kGrainBytes = 64 * 1024;  // packed W bytes per parallel work chunk, at least
 constexpr int64_t kSliceBytes = 192 * 1024;  // x bytes per pass over a chunk's panels, at most
+constexpr int64_t kFewPanels = 8;  // panels per thread below which threads split x's rows too
 // Above this many x rows the AMX GEMM (csrc/amx_gemm.cpp: w packed per block, reused
 // by every row) replaces the streaming path for matrices up to kGemmMaxWeights; both give
 // every row the same bits. Same-process alternation (1 thread): the streaming path is
@@ -157,26 +159,46 @@ void run_packed(const c10::BFloat16* x, const c10::BFloat16* wp, const c10::BFlo
   }
   const int64_t pstride = K2 * 2 * kPanel;  // elements per panel
   const int64_t panels = (N - n0 + kPanel - 1) / kPanel;
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (pstride * 2));
-  // x rows per pass over a thread's panels: a slice that stays in L2 while the panels stream by
-  const int64_t slice = std::max<int64_t>(kMaxMR, kSliceBytes / (ldx * 2) / kMaxMR * kMaxMR);
-  at::parallel_for(0, panels, grain, [&](int64_t pb, int64_t pe) {
-    for (int64_t m0 = 0; m0 < M; m0 += slice) {
-      const int64_t rows = std::min(M, m0 + slice) - m0;
-      const int64_t blocks = (rows + kMaxMR - 1) / kMaxMR;  // of near-equal size, kMaxMR at most
-      for (int64_t g = pb; g < pe; g += kGroup) {
-        const int64_t ge = std::min(pe, g + kGroup);
-        for (int64_t bi = 0, m = m0; bi < blocks; ++bi) {
-          const int mr = (int)(rows * (bi + 1) / blocks - (m - m0));
-          for (int64_t p = g; p < ge;) {
-            const int np = p + panels_for(mr) <= ge ? panels_for(mr) : 1;
-            packed_fn(mr, np)(xs + m * ldx, ldx, wp + p * pstride, pstride, K2, bias, out + m * N, N,
-                              n0 + p * kPanel, n0, N);
-            p += np;
-          }
-          m += mr;
+  // x rows [m0, m0 + rows) over panels [pb, pe): groups of kGroup panels, each applied to the
+  // rows' blocks (of near-equal size, kMaxMR at most) in turn.
+  auto rows_over_panels = [&](int64_t m0, int64_t rows, int64_t pb, int64_t pe) {
+    const int64_t blocks = (rows + kMaxMR - 1) / kMaxMR;
+    for (int64_t g = pb; g < pe; g += kGroup) {
+      const int64_t ge = std::min(pe, g + kGroup);
+      for (int64_t bi = 0, m = m0; bi < blocks; ++bi) {
+        const int mr = (int)(rows * (bi + 1) / blocks - (m - m0));
+        for (int64_t p = g; p < ge;) {
+          const int np = p + panels_for(mr) <= ge ? panels_for(mr) : 1;
+          packed_fn(mr, np)(xs + m * ldx, ldx, wp + p * pstride, pstride, K2, bias, out + m * N, N,
+                            n0 + p * kPanel, n0, N);
+          p += np;
         }
+        m += mr;
       }
+    }
+  };
+  // x in slices of near-equal size that stay in L2 (at most kSliceBytes), each applied to a
+  // thread's panels in turn (the panels stream from L3 once per slice). With few panels per
+  // thread (9 for N = 576: 5 and 4 on 2 threads) the work units are (panel, slice) pairs
+  // instead, panel-major (a thread's consecutive units reuse a panel from L2), so threads split
+  // the rows too; with many, that order reads x from L3 once per panel, which cost more.
+  const int64_t max_rows = std::max<int64_t>(kMaxMR, kSliceBytes / (ldx * 2));
+  const int64_t slices = (M + max_rows - 1) / max_rows;
+  auto slice_rows = [&](int64_t sl) { return std::make_pair(M * sl / slices, M * (sl + 1) / slices - M * sl / slices); };
+  if (slices > 1 && panels < kFewPanels * at::get_num_threads()) {
+    at::parallel_for(0, panels * slices, 1, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) {
+        const auto [m0, rows] = slice_rows(u % slices);
+        rows_over_panels(m0, rows, u / slices, u / slices + 1);
+      }
+    });
+    return;
+  }
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (pstride * 2));
+  at::parallel_for(0, panels, grain, [&](int64_t pb, int64_t pe) {
+    for (int64_t sl = 0; sl < slices; ++sl) {
+      const auto [m0, rows] = slice_rows(sl);
+      rows_over_panels(m0, rows, pb, pe);
     }
   });
 }

@@ -10,7 +10,11 @@ own threads.
 
 The cost of a wrong guess is bounded by one layer: a peer that gets work marks itself busy
 before its first step, and the borrower, which rechecks the board between layers, drops back
-at its next layer boundary. `settle_s` keeps the short gaps of a busy rank (a request
+at its next layer boundary. The recheck also takes the threads of a peer that went idle (and
+settled) during the step: a prompt that reaches one rank just as the other finishes its last
+request (one client sending requests back to back, alternately routed) would otherwise
+prefill on the rank's own threads alone (measured: time to first token 0.64 s instead of
+0.38 s for 512 tokens on 2 cores). `settle_s` keeps the short gaps of a busy rank (a request
 finishing just before the next arrives) from being lent.
 Numerics: by default only steps of at most `invariant_rows` rows borrow (every step with the
 packed AVX512-BF16 linear kernel, 1024 rows with its AMX GEMM, 32 with PDSERVE_CHUNK_GEMM=0:
@@ -75,7 +79,7 @@ class CoreBoard:
     """One rank's view of the board: `busy()` before a step, `idle()` when out of work."""
 
     def __init__(self, path: str | Path, slot: int, own_threads: int, max_threads: int | None = None,
-                 settle_s: float = 0.05, lend_all: bool = False, bf16: bool = True) -> None:
+                 settle_s: float = 0.02, lend_all: bool = False, bf16: bool = True) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -91,6 +95,7 @@ class CoreBoard:
         self.settle_s = settle_s
         self.lend_all = lend_all
         self.threads = self.own
+        self._lendable = False  # the running step may borrow (busy() said so)
         self._idle_since: float | None = None
         self._write(0.0)
         from engine.layers.linear import invariant_rows
@@ -120,21 +125,26 @@ class CoreBoard:
         if self._idle_since is not None:
             self._idle_since = None
             self._write(0.0)
-        lend = invariant or self.lend_all
-        self._set(min(self.max, self.own * (1 + self.idle_peers())) if lend else self.own)
+        self._lendable = invariant or self.lend_all
+        self._set(self._lending() if self._lendable else self.own)
         return self.threads
 
     def recheck(self) -> None:
-        """Between layers of a step: hand lent threads back once their owner has work (it marks
-        itself busy before its step), so two ranks share a core for at most one layer."""
-        if self.threads > self.own:
-            self._set(min(self.threads, self.own * (1 + self.idle_peers())))
+        """Between layers of a step that may borrow: hand lent threads back once their owner has
+        work (it marks itself busy before its step), so two ranks share a core for at most one
+        layer, and take those of peers that have gone idle since the step began."""
+        if self._lendable:
+            self._set(self._lending())
+
+    def _lending(self) -> int:
+        return min(self.max, self.own * (1 + self.idle_peers()))
 
     def idle(self) -> None:
         """Mark this rank idle (from now) and drop back to its own threads."""
         if self._idle_since is None:
             self._idle_since = time.monotonic()
             self._write(self._idle_since)
+        self._lendable = False
         self._set(self.own)
 
     def _set(self, n: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -70,6 +71,26 @@ def test_lent_threads_go_back_between_layers_once_the_owner_is_busy(tmp_path, th
     b.busy()
     a.recheck()
     assert a.threads == 1 and torch.get_num_threads() == 1
+
+
+def test_a_step_takes_the_threads_of_a_peer_that_goes_idle_during_it(tmp_path, threads):
+    """A prompt that arrives just as the peer finishes: its step starts on its own threads (the
+    peer has not settled) and takes the peer's at a later layer boundary once it has."""
+    path = create_board(tmp_path / "board", 2)
+    a, b = CoreBoard(path, 0, 1, 2, settle_s=0.05), CoreBoard(path, 1, 1, 2, settle_s=0.05)
+    b.busy()
+    assert a.busy() == 1
+    b.idle()
+    a.recheck()
+    assert a.threads == 1  # not settled yet
+    time.sleep(0.06)
+    a.recheck()
+    assert a.threads == 2 and torch.get_num_threads() == 2
+    a.idle()
+    assert a.threads == 1
+    a.busy(invariant=False)  # a step whose bits depend on the thread count never borrows
+    a.recheck()
+    assert a.threads == 1
 
 
 def test_threads_are_capped_and_bad_slots_refused(tmp_path, threads):
