@@ -52,12 +52,21 @@ class DecoderLM(nn.Module):
         fb.rope = {t: r.tables(fb.positions) for t, r in self.rotary.items()}
         residual = None  # layers return (output, residual stream); the next input norm adds them
         hook = self.between_layers
-        for layer in self.layers:
-            x, residual = layer(x, residual, fb, pool)
+        last, cut = len(self.layers) - 1, False
+        for i, layer in enumerate(self.layers):
+            if i == last and residual is not None:
+                # past its attention the last layer runs only the tokens whose logits are sampled
+                # (their bits are unchanged: each kernel gives a row the same result in any batch)
+                x, residual = layer(x, residual, fb, pool, fb.logits_indices)
+                cut = True
+            else:
+                x, residual = layer(x, residual, fb, pool)
             if hook is not None:
                 hook()
-        idx = fb.logits_indices
-        return self.norm.add_norm(x[idx], residual[idx] if residual is not None else None)[0]
+        if not cut:  # a one-layer model
+            idx = fb.logits_indices
+            x, residual = x[idx], residual[idx] if residual is not None else None
+        return self.norm.add_norm(x, residual)[0]
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()

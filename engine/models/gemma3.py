@@ -27,10 +27,12 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
-                pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+                pool: KVPool, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (post-norm MLP output, residual stream before it); see LlamaDecoderLayer."""
         h, residual = self.input_layernorm.add_norm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, fb, pool))
+        h = self.post_attention_layernorm(self.self_attn(h, fb, pool, rows))
+        if rows is not None:
+            residual = residual[rows]
         h, residual = self.pre_feedforward_layernorm.add_norm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 

@@ -30,7 +30,8 @@ class LlamaAttention(nn.Module):
         self.layer_type = cfg.layer_types[layer_id]
         self.attn = PagedAttention(layer_id, self.layer_type == "sliding_attention", cfg.scale)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: KVPool, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Every token's K/V goes to the cache; the output has only `rows` (default: all)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2*KVH) * D]
         cos, sin = fb.rope[self.layer_type]
@@ -43,7 +44,9 @@ class LlamaAttention(nn.Module):
             q = apply_rotary(self.q_norm(q.view(t, self.h, self.d)), cos, sin)
             k = apply_rotary(self.k_norm(k.view(t, self.kvh, self.d)), cos, sin)
         o = self.attn(q, k, v, fb, pool)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.h * self.d))
+        if rows is not None:
+            o = o[rows]
+        return self.o_proj(o.reshape(o.shape[0], self.h * self.d))
 
 
 class GatedMLP(nn.Module):
@@ -66,10 +69,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
-                pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (mlp output, residual stream before it); their sum is HF's layer output."""
+                pool: KVPool, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual stream before it); their sum is HF's layer output.
+        With `rows`, only those tokens past the attention (every token's K/V is still cached)."""
         h, residual = self.input_layernorm.add_norm(x, residual)
-        h, residual = self.post_attention_layernorm.add_norm(self.self_attn(h, fb, pool), residual)
+        a = self.self_attn(h, fb, pool, rows)
+        h, residual = self.post_attention_layernorm.add_norm(a, residual if rows is None else residual[rows])
         return self.mlp(h), residual
 
 
