@@ -10,8 +10,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <cstring>
 
 #include "lane_pairs.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace pdserve {
 namespace paged {
@@ -71,6 +76,44 @@ inline void accumulate_v(const T* const* krow, int64_t v_off, int64_t n, const f
     for (int64_t c = 0; c < C; ++c) store16(acc + g * C * kLanes + c * kLanes, a[g][c]);
 }
 
+// Slots of tokens [t, t + n) of one sequence (pages: its page table row): kv head h's K row is
+// kv_stride[3] * h further, its V row kv_stride[1] more.
+template <typename T>
+inline void find_rows(const Problem& p, const int64_t* pages, int64_t t, int64_t n, const T** rows) {
+  const T* base = reinterpret_cast<const T*>(p.kv);
+  for (int64_t i = 0, pi = t / p.page_size, slot = t % p.page_size; i < n; ++i) {
+    rows[i] = base + pages[pi] * p.kv_stride[0] + slot * p.kv_stride[2];
+    if (++slot == p.page_size) {
+      slot = 0;
+      ++pi;
+    }
+  }
+}
+
+// Prefetch (into L2) one head's K and V rows of a token of the next tile as this one is read:
+// pages are scattered, so the hardware prefetcher loses the stream at every page boundary.
+template <typename T>
+inline void prefetch_row(const T* k_row, int64_t v_off, int64_t row_bytes) {
+  const char* k = reinterpret_cast<const char*>(k_row);
+  const char* v = reinterpret_cast<const char*>(k_row + v_off);
+  for (int64_t off = 0; off < row_bytes; off += 64) {
+    __builtin_prefetch(k + off, 0, 2);
+    __builtin_prefetch(v + off, 0, 2);
+  }
+}
+
+// Online softmax of one head over a tile: rescale the old state (m, l) to the new max and turn
+// the scores sg[0, n) into weights (sg[n, kTile) become 0); returns the old state's factor.
+inline float softmax_tile(float* sg, int64_t n, float& m, float& l) {
+  std::fill(sg + n, sg + kTile, kNegInf);  // pad a short tile: fixed trip counts below
+  const float mx = std::max(m, max_of<kTile>(sg));
+  for (int64_t i = 0; i < kTile; ++i) sg[i] = i < n ? exp_nonpos(sg[i] - mx) : 0.f;
+  const float alpha = m == kNegInf ? 0.f : std::exp(m - mx);
+  l = l * alpha + sum_of<kTile>(sg);
+  m = mx;
+  return alpha;
+}
+
 // Attends every query head of sequence b to tokens [t0, t1), leaving the unnormalized state
 // in `st` (m [H], l [H], acc [H, D], acc in load32 lane order). Scratch: qf [H * D],
 // s [G * kTile] then [G * 256]. A tile's tokens are visited once per kv head, in turn, so the
@@ -95,30 +138,19 @@ void attend_chunk(const Problem& p, int64_t b, int64_t t0, int64_t t1, Partial s
   std::fill(st.l, st.l + H, 0.f);
   std::fill(st.acc, st.acc + H * D, 0.f);
 
-  const T* base = reinterpret_cast<const T*>(p.kv);
   const int64_t v_off = p.kv_stride[1];
   const int64_t* pages = p.page_table + b * p.max_pages;
-  // Slots of tokens [t, t + n): kv head h's K row is kv_stride[3] * h further, its V row v_off more.
-  auto find_rows = [&](int64_t t, int64_t n, const T** rows) {
-    for (int64_t i = 0, pi = t / p.page_size, slot = t % p.page_size; i < n; ++i) {
-      rows[i] = base + pages[pi] * p.kv_stride[0] + slot * p.kv_stride[2];
-      if (++slot == p.page_size) {
-        slot = 0;
-        ++pi;
-      }
-    }
-  };
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   const T* rows_buf[3][kTile];
   const T** slot = rows_buf[0];
   const T** next = rows_buf[1];
   const T** krow = rows_buf[2];
-  find_rows(t0, std::min(kTile, t1 - t0), slot);
+  find_rows(p, pages, t0, std::min(kTile, t1 - t0), slot);
 
   for (int64_t tt = t0; tt < t1; tt += kTile) {
     const int64_t n = std::min(kTile, t1 - tt);
     const int64_t n_next = std::min(kTile, t1 - tt - n);
-    find_rows(tt + n, n_next, next);
+    find_rows(p, pages, tt + n, n_next, next);
     for (int64_t h = 0; h < p.kvh; ++h) {
       const int64_t hoff = h * p.kv_stride[3];
       for (int64_t i = 0; i < n; ++i) krow[i] = slot[i] + hoff;
@@ -132,16 +164,7 @@ void attend_chunk(const Problem& p, int64_t b, int64_t t0, int64_t t1, Partial s
       for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
         const int64_t m = std::min(kLanes, n - i0);
         for (int64_t i = i0; i < i0 + m; ++i) {
-          if (i < n_next) {
-            // Prefetch (into L2) this head's rows of the next tile as this one is read: pages
-            // are scattered, so the hardware prefetcher loses the stream at every page boundary.
-            const char* k = reinterpret_cast<const char*>(next[i] + hoff);
-            const char* v = reinterpret_cast<const char*>(next[i] + hoff + v_off);
-            for (int64_t off = 0; off < row_bytes; off += 64) {
-              __builtin_prefetch(k + off, 0, 2);
-              __builtin_prefetch(v + off, 0, 2);
-            }
-          }
+          if (i < n_next) prefetch_row(next[i] + hoff, v_off, row_bytes);
           f32x16 k[kC ? kC : kMaxVecs];
           for (int64_t c = 0; c < C; c += 2) load32(krow[i] + c * kLanes, k[c], k[c + 1]);
           for (int64_t g = 0; g < G; ++g) {
@@ -165,16 +188,7 @@ void attend_chunk(const Problem& p, int64_t b, int64_t t0, int64_t t1, Partial s
       float alpha[kMaxHeads];
       for (int64_t g0 = 0; g0 < G; g0 += per) {
         const int64_t ng = std::min(per, G - g0);
-        for (int64_t g = g0; g < g0 + ng; ++g) {
-          // Online softmax: rescale the old state to the new max, turn scores into weights.
-          float* sg = s + g * kTile;
-          std::fill(sg + n, sg + kTile, kNegInf);  // pad a short tile: fixed trip counts below
-          const float mx = std::max(mh[g], max_of<kTile>(sg));
-          for (int64_t i = 0; i < kTile; ++i) sg[i] = i < n ? exp_nonpos(sg[i] - mx) : 0.f;
-          alpha[g - g0] = mh[g] == kNegInf ? 0.f : std::exp(mh[g] - mx);
-          lh[g] = lh[g] * alpha[g - g0] + sum_of<kTile>(sg);
-          mh[g] = mx;
-        }
+        for (int64_t g = g0; g < g0 + ng; ++g) alpha[g - g0] = softmax_tile(s + g * kTile, n, mh[g], lh[g]);
         // acc[g] = alpha * acc[g] + sum_i w[g, i] * v_{tt+i}, accumulated in registers.
         const float* wg = s + g0 * kTile;
         float* ag = acc + g0 * D;
@@ -193,6 +207,133 @@ void attend_chunk(const Problem& p, int64_t b, int64_t t0, int64_t t1, Partial s
     std::swap(slot, next);
   }
 }
+
+#if defined(__AVX512BF16__)
+// ---- bf16 K/V with AVX512-BF16 dot products (vdpbf16ps) ----------------------------------
+// The same tiles, page walk, prefetch and online softmax as attend_chunk; the products differ:
+//   scores: q . k as vdpbf16ps over the raw bf16 rows (two products per lane and step, each
+//     exact in fp32), the 16 lanes summed by reduce16, then times the scale;
+//   values: acc += w_i v_i + w_j v_j for token pairs (i, j = i + 1), the softmax weights
+//     rounded to bf16 (as the prefill kernel's P and SDPA's bf16 path), V's bf16 pairs of the
+//     two tokens interleaved per lane so that the accumulators keep load32's lane order (lo:
+//     even elements, hi: odd), which the merge and store_row expect.
+// A short tile's missing partner token is the last one again with weight 0.
+
+// acc[g] = alpha[g] * acc[g] + sum over token pairs for NG heads (wb: bf16 weights [G, kTile]).
+template <int64_t kC, int64_t NG>
+inline void accumulate_v_bf16(const c10::BFloat16* const* krow, int64_t v_off, int64_t n, const uint16_t* wb,
+                              const float* alpha, float* __restrict acc) {
+  constexpr int64_t C = kC;  // 16-lane vectors per row; blocks of 32 elements: C / 2
+  __m512 a[NG][C];
+  for (int64_t g = 0; g < NG; ++g)
+    for (int64_t c = 0; c < C; ++c)
+      a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * C * kLanes + c * kLanes), _mm512_set1_ps(alpha[g]));
+  const __mmask32 odd = 0xAAAAAAAAu;
+  for (int64_t i = 0; i < n; i += 2) {
+    const c10::BFloat16* vi = krow[i] + v_off;
+    const c10::BFloat16* vj = (i + 1 < n ? krow[i + 1] : krow[i]) + v_off;
+    for (int64_t c = 0; c < C; c += 2) {
+      const __m512i x = _mm512_loadu_si512(vi + c * kLanes), y = _mm512_loadu_si512(vj + c * kLanes);
+      // lane l: (x[2l], y[2l]) and (x[2l + 1], y[2l + 1])
+      const __m512bh lo = (__m512bh)_mm512_mask_blend_epi16(odd, x, _mm512_slli_epi32(y, 16));
+      const __m512bh hi = (__m512bh)_mm512_mask_blend_epi16(odd, _mm512_srli_epi32(x, 16), y);
+      for (int64_t g = 0; g < NG; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, wb + g * kTile + i, sizeof pair);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+        a[g][c] = _mm512_dpbf16_ps(a[g][c], lo, w);
+        a[g][c + 1] = _mm512_dpbf16_ps(a[g][c + 1], hi, w);
+      }
+    }
+  }
+  for (int64_t g = 0; g < NG; ++g)
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * C * kLanes + c * kLanes, a[g][c]);
+}
+
+// attend_chunk for bf16 K/V and D = 16 kC (kC in 4, 8, 16); qf is unused scratch here.
+template <int64_t kC>
+void attend_chunk_bf16(const Problem& p, int64_t b, int64_t t0, int64_t t1, Partial st,
+                       float* __restrict /*qf*/, float* __restrict s) {
+  using T = c10::BFloat16;
+  constexpr int64_t C = kC;
+  const int64_t G = p.groups, D = C * kLanes, H = p.kvh * G;
+  float* __restrict part = s + G * kTile;  // [G, 16, 16]
+  alignas(64) uint16_t wb[kMaxHeads * 4 * kTile];  // bf16 weights of a head group (<= 16 heads)
+  const T* q = static_cast<const T*>(p.q) + b * H * D;
+  std::fill(st.m, st.m + H, kNegInf);
+  std::fill(st.l, st.l + H, 0.f);
+  std::fill(st.acc, st.acc + H * D, 0.f);
+
+  const int64_t v_off = p.kv_stride[1];
+  const int64_t* pages = p.page_table + b * p.max_pages;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  const T* rows_buf[3][kTile];
+  const T** slot = rows_buf[0];
+  const T** next = rows_buf[1];
+  const T** krow = rows_buf[2];
+  find_rows(p, pages, t0, std::min(kTile, t1 - t0), slot);
+  const __m512 scale = _mm512_set1_ps(p.scale);
+
+  for (int64_t tt = t0; tt < t1; tt += kTile) {
+    const int64_t n = std::min(kTile, t1 - tt);
+    const int64_t n_next = std::min(kTile, t1 - tt - n);
+    find_rows(p, pages, tt + n, n_next, next);
+    for (int64_t h = 0; h < p.kvh; ++h) {
+      const int64_t hoff = h * p.kv_stride[3];
+      for (int64_t i = 0; i < n; ++i) krow[i] = slot[i] + hoff;
+      const T* qh = q + h * G * D;
+      float* mh = st.m + h * G;
+      float* lh = st.l + h * G;
+      float* acc = st.acc + h * G * D;
+
+      for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+        const int64_t m = std::min(kLanes, n - i0);
+        for (int64_t i = i0; i < i0 + m; ++i) {
+          if (i < n_next) prefetch_row(next[i] + hoff, v_off, row_bytes);
+          __m512bh k[C / 2];
+          for (int64_t c = 0; c < C / 2; ++c) k[c] = (__m512bh)_mm512_loadu_si512(krow[i] + c * 2 * kLanes);
+          for (int64_t g = 0; g < G; ++g) {
+            const T* qg = qh + g * D;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();  // two chains
+            for (int64_t c = 0; c < C / 2; c += 2) {
+              a0 = _mm512_dpbf16_ps(a0, k[c], (__m512bh)_mm512_loadu_si512(qg + c * 2 * kLanes));
+              if (c + 1 < C / 2)
+                a1 = _mm512_dpbf16_ps(a1, k[c + 1], (__m512bh)_mm512_loadu_si512(qg + (c + 1) * 2 * kLanes));
+            }
+            _mm512_storeu_ps(part + (g * kLanes + i - i0) * kLanes, _mm512_add_ps(a0, a1));
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t i = m; i < kLanes; ++i) store16(part + (g * kLanes + i) * kLanes, f32x16{});
+          const f32x16 r = reduce16(part + g * kLanes * kLanes);
+          _mm512_storeu_ps(s + g * kTile + i0, _mm512_mul_ps(reinterpret_cast<const __m512&>(r), scale));
+        }
+      }
+
+      const int64_t per = std::clamp<int64_t>(kMaxAccVecs / kC, 1, kMaxHeads);
+      float alpha[kMaxHeads];
+      for (int64_t g0 = 0; g0 < G; g0 += per) {
+        const int64_t ng = std::min(per, G - g0);
+        for (int64_t g = g0; g < g0 + ng; ++g) {
+          float* sg = s + g * kTile;
+          alpha[g - g0] = softmax_tile(sg, n, mh[g], lh[g]);
+          for (int64_t i = 0; i < kTile; i += kLanes)  // the weights as bf16, rounded to nearest even
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + (g - g0) * kTile + i),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sg + i)));
+        }
+        float* ag = acc + g0 * D;
+        switch (ng) {
+          case 1: accumulate_v_bf16<kC, 1>(krow, v_off, n, wb, alpha, ag); break;
+          case 2: accumulate_v_bf16<kC, 2>(krow, v_off, n, wb, alpha, ag); break;
+          case 3: accumulate_v_bf16<kC, 3>(krow, v_off, n, wb, alpha, ag); break;
+          default: accumulate_v_bf16<kC, 4>(krow, v_off, n, wb, alpha, ag); break;
+        }
+      }
+    }
+    std::swap(slot, next);
+  }
+}
+#endif  // __AVX512BF16__
 
 // out[0, D) = acc * inv, from load32 lane order back to element order.
 template <typename T>

@@ -150,3 +150,21 @@ def test_rejects_bad_inputs():
     swapped = torch.randn(kv.shape[0], 2, 16, 64, 2).transpose(3, 4)  # [P, 2, ps, KVH, D], D strided
     with pytest.raises(RuntimeError, match="dense"):
         paged_decode_attention(q, swapped, table, ctx, 0.1)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (256, 4, 1)])
+def test_bf16_dot_products_and_fp32_products_both_match_the_reference(head_dim, heads, kv_heads):
+    """bf16 K/V take vdpbf16ps products where the CPU has AVX512-BF16 (token pairs for P V, the
+    weights rounded to bf16; a short tile's odd token paired with itself at weight 0), else the
+    fp32 products; set_decode_bf16_dots(False) forces the latter. Odd and tile-crossing lengths."""
+    ops = torch.ops.pdserve
+    paged_decode_attention(*make_case([5], 2, 1, 64, 16, torch.bfloat16), 0.125)  # builds the kernel
+    case = make_case([1, 7, 63, 65, 130, 301], heads, kv_heads, head_dim, 16, torch.bfloat16, seed=3)
+    try:
+        outs = []
+        for on in (True, False):
+            ops.set_decode_bf16_dots(on)
+            outs.append(check(*case))
+    finally:
+        ops.set_decode_bf16_dots(True)
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
