@@ -9,10 +9,10 @@ same result whatever batch it is in and at any thread count. Prefill chunks take
 where the CPU has AMX, up to GEMM_ROWS rows, above 128 rows on an AMX GEMM
 (`csrc/amx_gemm.cpp`; larger inputs keep torch's GEMM, oneDNN); elsewhere the packed
 AVX512-BF16 kernel at any row count (1.1-1.2x oneDNN's speed at 64-1024 rows on AMD
-Zen 4); both with the per-row bits of a decode batch. The layer keeps the packed copy (made at model load: one more
-copy of the weights in memory). The first call JIT-builds the kernel (`-march=native`);
-on a CPU or compiler without AVX512-BF16 the op says it is unsupported and torch's
-linear is used. Set PDSERVE_SMALL_LINEAR=0 to force torch's path, PDSERVE_CHUNK_GEMM=0
+Zen 4); both with the per-row bits of a decode batch. The layer keeps the packed copy
+(made at model load: one more copy of the weights in memory). The first call JIT-builds
+the kernel (`-march=native`); on a CPU or compiler without AVX512-BF16 the op says it is
+unsupported and torch's linear is used. Set PDSERVE_SMALL_LINEAR=0 to force torch's path, PDSERVE_CHUNK_GEMM=0
 to keep prefill chunks (more than MAX_ROWS rows) on it (for comparison).
 """
 from __future__ import annotations
