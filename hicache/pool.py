@@ -12,7 +12,8 @@ on the host maps the same bytes with `HostPool.attach(layout)`; `HostPoolLayout`
 everything it needs. The creating process owns the free lists and unlinks the file
 on `close()` (or at garbage collection); mappings stay valid until their tensors die.
 When the engine runs on CUDA the owner registers the mapping with the driver
-(pinned + mapped) so copies run at DMA speed and the CUDA kernel can reach it.
+(pinned + mapped) so copies run at DMA speed and the CUDA kernel can reach it. The owner
+allocates and touches every page when it creates the pool (start-up time, not store time).
 """
 from __future__ import annotations
 
@@ -116,10 +117,23 @@ class HostPool:
         fd = os.open(layout.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, layout.total_bytes)
+            try:  # the pages exist now: a /dev/shm too small fails here, not with SIGBUS mid-copy
+                os.posix_fallocate(fd, 0, layout.total_bytes)
+            except OSError as e:
+                os.close(fd)
+                fd = -1
+                layout.path.unlink(missing_ok=True)
+                raise OSError(e.errno, f"host cache of {layout.total_bytes} bytes does not fit in "
+                                       f"{layout.path.parent}: {e.strerror}") from None
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         try:
             raw = torch.from_file(str(layout.path), shared=True, size=layout.total_bytes, dtype=torch.uint8)
+            # Touch every page once now: the first write to a page of the mapping faults it in,
+            # which made a fresh cache's stores ~16x slower than later ones (a 542-token prompt's
+            # 33 pages: 18 ms -> 1.1 ms; 0.25 GB takes ~0.3 s here at start-up).
+            raw.zero_()
             ptr = None
             if pin_cuda:
                 ptr = raw.data_ptr()
