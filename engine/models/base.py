@@ -56,7 +56,7 @@ class DecoderLM(nn.Module):
         for i, layer in enumerate(self.layers):
             if i == last and residual is not None:
                 # past its attention the last layer runs only the tokens whose logits are sampled
-                # (their bits are unchanged: each kernel gives a row the same result in any batch)
+                # (on the CPU kernels their bits are unchanged: each gives a row the same result in any batch)
                 x, residual = layer(x, residual, fb, pool, fb.logits_indices)
                 cut = True
             else:
