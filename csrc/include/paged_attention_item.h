@@ -114,12 +114,76 @@ inline float softmax_tile(float* sg, int64_t n, float& m, float& l) {
   return alpha;
 }
 
+// The walk every variant shares: resets the state, then for each tile of [t0, t1) and each kv
+// head h calls body(h, krow, n, next, n_next): krow[i] is head h's K row of the tile's token i
+// (its V row kv_stride[1] further), next[i] + h * kv_stride[3] the same for the next tile's
+// token i (n_next of them, to prefetch).
+template <typename T, typename Body>
+inline void walk_tiles(const Problem& p, int64_t b, int64_t t0, int64_t t1, Partial st, Body&& body) {
+  const int64_t H = p.kvh * p.groups;
+  std::fill(st.m, st.m + H, kNegInf);
+  std::fill(st.l, st.l + H, 0.f);
+  std::fill(st.acc, st.acc + H * p.d, 0.f);
+  const int64_t* pages = p.page_table + b * p.max_pages;
+  const T* rows_buf[3][kTile];
+  const T** slot = rows_buf[0];
+  const T** next = rows_buf[1];
+  const T** krow = rows_buf[2];
+  find_rows(p, pages, t0, std::min(kTile, t1 - t0), slot);
+  for (int64_t tt = t0; tt < t1; tt += kTile) {
+    const int64_t n = std::min(kTile, t1 - tt);
+    const int64_t n_next = std::min(kTile, t1 - tt - n);
+    find_rows(p, pages, tt + n, n_next, next);
+    for (int64_t h = 0; h < p.kvh; ++h) {
+      for (int64_t i = 0; i < n; ++i) krow[i] = slot[i] + h * p.kv_stride[3];
+      body(h, static_cast<const T* const*>(krow), n, static_cast<const T* const*>(next), n_next);
+    }
+    std::swap(slot, next);
+  }
+}
+
+// Scores of one kv head's G query heads over a tile, 16 tokens at a time: dot(i, part_i) leaves
+// token i's 16-lane partial sums of head g at part_i + g * 256, and reduce16 folds 16 tokens'
+// at once (hsum's order): s[g * kTile + i] = scale * that sum. (dot should capture by value:
+// captured references are reloaded after every store to part, which GCC cannot rule out.) Each token's rows of the next
+// tile are prefetched as this one's are read (spread over the tile: one burst measured slower).
+template <typename T, typename Dot>
+inline void tile_scores(const Problem& p, int64_t h, const T* const* next, int64_t n, int64_t n_next, float scale,
+                        float* __restrict s, float* __restrict part, Dot&& dot) {
+  const int64_t G = p.groups, hoff = h * p.kv_stride[3], row_bytes = p.d * static_cast<int64_t>(sizeof(T));
+  for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+    const int64_t m = std::min(kLanes, n - i0);
+    for (int64_t i = i0; i < i0 + m; ++i) {
+      if (i < n_next) prefetch_row(next[i] + hoff, p.kv_stride[1], row_bytes);
+      dot(i, part + (i - i0) * kLanes);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t i = m; i < kLanes; ++i) store16(part + (g * kLanes + i) * kLanes, f32x16{});
+      store16(s + g * kTile + i0, reduce16(part + g * kLanes * kLanes) * scale);
+    }
+  }
+}
+
+// The online softmax of every query head of kv head h over a tile (scores s [G, kTile] become
+// weights), in groups of `per` heads whose V accumulators fit in registers together:
+// group(g0, ng, alpha) adds the weighted V rows of heads [g0, g0 + ng), alpha their old
+// state's factors.
+template <typename Group>
+inline void weigh_groups(const Problem& p, int64_t h, int64_t per, int64_t n, float* s, Partial st, Group&& group) {
+  const int64_t G = p.groups;
+  float alpha[kMaxHeads];
+  for (int64_t g0 = 0; g0 < G; g0 += per) {
+    const int64_t ng = std::min(per, G - g0);
+    for (int64_t g = g0; g < g0 + ng; ++g)
+      alpha[g - g0] = softmax_tile(s + g * kTile, n, st.m[h * G + g], st.l[h * G + g]);
+    group(g0, ng, static_cast<const float*>(alpha));
+  }
+}
+
 // Attends every query head of sequence b to tokens [t0, t1), leaving the unnormalized state
 // in `st` (m [H], l [H], acc [H, D], acc in load32 lane order). Scratch: qf [H * D],
 // s [G * kTile] then [G * 256]. A tile's tokens are visited once per kv head, in turn, so the
-// heads of a slot are read one after another while its lines are in cache; each head's rows
-// of the next tile are prefetched while that head reads this tile (spread over the tile, not
-// in one burst, which measured slower).
+// heads of a slot are read one after another while its lines are in cache.
 //
 // kC = D / 16 vectors per row when known at compile time (0: from p.d): the row
 // loops then have constant trip counts, and K and the V accumulators live in registers.
@@ -134,78 +198,41 @@ void attend_chunk(const Problem& p, int64_t b, int64_t t0, int64_t t1, Partial s
     load32(q + c * kLanes, lo, hi);
     store32(qf + c * kLanes, lo * p.scale, hi * p.scale);  // fold the scale into q
   }
-  std::fill(st.m, st.m + H, kNegInf);
-  std::fill(st.l, st.l + H, 0.f);
-  std::fill(st.acc, st.acc + H * D, 0.f);
-
   const int64_t v_off = p.kv_stride[1];
-  const int64_t* pages = p.page_table + b * p.max_pages;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  const T* rows_buf[3][kTile];
-  const T** slot = rows_buf[0];
-  const T** next = rows_buf[1];
-  const T** krow = rows_buf[2];
-  find_rows(p, pages, t0, std::min(kTile, t1 - t0), slot);
-
-  for (int64_t tt = t0; tt < t1; tt += kTile) {
-    const int64_t n = std::min(kTile, t1 - tt);
-    const int64_t n_next = std::min(kTile, t1 - tt - n);
-    find_rows(p, pages, tt + n, n_next, next);
-    for (int64_t h = 0; h < p.kvh; ++h) {
-      const int64_t hoff = h * p.kv_stride[3];
-      for (int64_t i = 0; i < n; ++i) krow[i] = slot[i] + hoff;
-      float* qh = qf + h * G * D;
-      float* mh = st.m + h * G;
-      float* lh = st.l + h * G;
-      float* acc = st.acc + h * G * D;
-
-      // Scores s[g, i] = (scale * q_g) . k_{tt+i}, 16 tokens at a time: each token's 16-lane
-      // partial sums go to `part`, and reduce16 folds 16 of them at once (hsum's order).
-      for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
-        const int64_t m = std::min(kLanes, n - i0);
-        for (int64_t i = i0; i < i0 + m; ++i) {
-          if (i < n_next) prefetch_row(next[i] + hoff, v_off, row_bytes);
-          f32x16 k[kC ? kC : kMaxVecs];
-          for (int64_t c = 0; c < C; c += 2) load32(krow[i] + c * kLanes, k[c], k[c + 1]);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qh + g * D;
-            f32x16 a0 = {}, a1 = {};  // two chains hide the FMA latency
-            for (int64_t c = 0; c < C; c += 2) {
-              a0 += load16(qg + c * kLanes) * k[c];
-              a1 += load16(qg + (c + 1) * kLanes) * k[c + 1];
-            }
-            store16(part + (g * kLanes + i - i0) * kLanes, a0 + a1);
-          }
+  const int64_t per = kC ? std::clamp<int64_t>(kMaxAccVecs / kC, 1, kMaxHeads) : 1;
+  walk_tiles<T>(p, b, t0, t1, st, [&](int64_t h, const T* const* krow, int64_t n, const T* const* next,
+                                      int64_t n_next) {
+    const float* qh = qf + h * G * D;
+    // Scores s[g, i] = (scale * q_g) . k_{tt+i} in fp32 (the scale is in q).
+    tile_scores(p, h, next, n, n_next, 1.f, s, part, [=](int64_t i, float* __restrict part_i) {
+      f32x16 k[kC ? kC : kMaxVecs];
+      for (int64_t c = 0; c < C; c += 2) load32(krow[i] + c * kLanes, k[c], k[c + 1]);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qh + g * D;
+        f32x16 a0 = {}, a1 = {};  // two chains hide the FMA latency
+        for (int64_t c = 0; c < C; c += 2) {
+          a0 += load16(qg + c * kLanes) * k[c];
+          a1 += load16(qg + (c + 1) * kLanes) * k[c + 1];
         }
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t i = m; i < kLanes; ++i) store16(part + (g * kLanes + i) * kLanes, f32x16{});
-          store16(s + g * kTile + i0, reduce16(part + g * kLanes * kLanes));
+        store16(part_i + g * kLanes * kLanes, a0 + a1);
+      }
+    });
+    // acc[g] = alpha * acc[g] + sum_i w[g, i] * v_{tt+i}, accumulated in registers.
+    weigh_groups(p, h, per, n, s, st, [&](int64_t g0, int64_t ng, const float* alpha) {
+      const float* wg = s + g0 * kTile;
+      float* ag = st.acc + (h * G + g0) * D;
+      if constexpr (kC == 0) {
+        accumulate_v<T, kC, 1>(krow, v_off, n, wg, alpha, ag, D);  // per == 1
+      } else {
+        switch (ng) {
+          case 1: accumulate_v<T, kC, 1>(krow, v_off, n, wg, alpha, ag, D); break;
+          case 2: accumulate_v<T, kC, 2>(krow, v_off, n, wg, alpha, ag, D); break;
+          case 3: accumulate_v<T, kC, 3>(krow, v_off, n, wg, alpha, ag, D); break;
+          default: accumulate_v<T, kC, 4>(krow, v_off, n, wg, alpha, ag, D); break;
         }
       }
-
-      // Query heads in groups whose V accumulators fit in registers together.
-      const int64_t per = kC ? std::clamp<int64_t>(kMaxAccVecs / kC, 1, kMaxHeads) : 1;
-      float alpha[kMaxHeads];
-      for (int64_t g0 = 0; g0 < G; g0 += per) {
-        const int64_t ng = std::min(per, G - g0);
-        for (int64_t g = g0; g < g0 + ng; ++g) alpha[g - g0] = softmax_tile(s + g * kTile, n, mh[g], lh[g]);
-        // acc[g] = alpha * acc[g] + sum_i w[g, i] * v_{tt+i}, accumulated in registers.
-        const float* wg = s + g0 * kTile;
-        float* ag = acc + g0 * D;
-        if constexpr (kC == 0) {
-          accumulate_v<T, kC, 1>(krow, v_off, n, wg, alpha, ag, D);  // per == 1
-        } else {
-          switch (ng) {
-            case 1: accumulate_v<T, kC, 1>(krow, v_off, n, wg, alpha, ag, D); break;
-            case 2: accumulate_v<T, kC, 2>(krow, v_off, n, wg, alpha, ag, D); break;
-            case 3: accumulate_v<T, kC, 3>(krow, v_off, n, wg, alpha, ag, D); break;
-            default: accumulate_v<T, kC, 4>(krow, v_off, n, wg, alpha, ag, D); break;
-          }
-        }
-      }
-    }
-    std::swap(slot, next);
-  }
+    });
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -258,80 +285,41 @@ void attend_chunk_bf16(const Problem& p, int64_t b, int64_t t0, int64_t t1, Part
   constexpr int64_t C = kC;
   const int64_t G = p.groups, D = C * kLanes, H = p.kvh * G;
   float* __restrict part = s + G * kTile;  // [G, 16, 16]
-  alignas(64) uint16_t wb[kMaxHeads * 4 * kTile];  // bf16 weights of a head group (<= 16 heads)
+  alignas(64) uint16_t wb[kMaxHeads * kTile];  // bf16 weights of a head group
   const T* q = static_cast<const T*>(p.q) + b * H * D;
-  std::fill(st.m, st.m + H, kNegInf);
-  std::fill(st.l, st.l + H, 0.f);
-  std::fill(st.acc, st.acc + H * D, 0.f);
-
   const int64_t v_off = p.kv_stride[1];
-  const int64_t* pages = p.page_table + b * p.max_pages;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  const T* rows_buf[3][kTile];
-  const T** slot = rows_buf[0];
-  const T** next = rows_buf[1];
-  const T** krow = rows_buf[2];
-  find_rows(p, pages, t0, std::min(kTile, t1 - t0), slot);
-  const __m512 scale = _mm512_set1_ps(p.scale);
-
-  for (int64_t tt = t0; tt < t1; tt += kTile) {
-    const int64_t n = std::min(kTile, t1 - tt);
-    const int64_t n_next = std::min(kTile, t1 - tt - n);
-    find_rows(p, pages, tt + n, n_next, next);
-    for (int64_t h = 0; h < p.kvh; ++h) {
-      const int64_t hoff = h * p.kv_stride[3];
-      for (int64_t i = 0; i < n; ++i) krow[i] = slot[i] + hoff;
-      const T* qh = q + h * G * D;
-      float* mh = st.m + h * G;
-      float* lh = st.l + h * G;
-      float* acc = st.acc + h * G * D;
-
-      for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
-        const int64_t m = std::min(kLanes, n - i0);
-        for (int64_t i = i0; i < i0 + m; ++i) {
-          if (i < n_next) prefetch_row(next[i] + hoff, v_off, row_bytes);
-          __m512bh k[C / 2];
-          for (int64_t c = 0; c < C / 2; ++c) k[c] = (__m512bh)_mm512_loadu_si512(krow[i] + c * 2 * kLanes);
-          for (int64_t g = 0; g < G; ++g) {
-            const T* qg = qh + g * D;
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();  // two chains
-            for (int64_t c = 0; c < C / 2; c += 2) {
-              a0 = _mm512_dpbf16_ps(a0, k[c], (__m512bh)_mm512_loadu_si512(qg + c * 2 * kLanes));
-              if (c + 1 < C / 2)
-                a1 = _mm512_dpbf16_ps(a1, k[c + 1], (__m512bh)_mm512_loadu_si512(qg + (c + 1) * 2 * kLanes));
-            }
-            _mm512_storeu_ps(part + (g * kLanes + i - i0) * kLanes, _mm512_add_ps(a0, a1));
-          }
+  constexpr int64_t per = std::clamp<int64_t>(kMaxAccVecs / kC, 1, kMaxHeads);
+  walk_tiles<T>(p, b, t0, t1, st, [&](int64_t h, const T* const* krow, int64_t n, const T* const* next,
+                                      int64_t n_next) {
+    const T* qh = q + h * G * D;
+    tile_scores(p, h, next, n, n_next, p.scale, s, part, [=](int64_t i, float* __restrict part_i) {
+      __m512bh k[C / 2];
+      for (int64_t c = 0; c < C / 2; ++c) k[c] = (__m512bh)_mm512_loadu_si512(krow[i] + c * 2 * kLanes);
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qg = qh + g * D;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();  // two chains
+        for (int64_t c = 0; c < C / 2; c += 2) {
+          a0 = _mm512_dpbf16_ps(a0, k[c], (__m512bh)_mm512_loadu_si512(qg + c * 2 * kLanes));
+          if (c + 1 < C / 2)
+            a1 = _mm512_dpbf16_ps(a1, k[c + 1], (__m512bh)_mm512_loadu_si512(qg + (c + 1) * 2 * kLanes));
         }
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t i = m; i < kLanes; ++i) store16(part + (g * kLanes + i) * kLanes, f32x16{});
-          const f32x16 r = reduce16(part + g * kLanes * kLanes);
-          _mm512_storeu_ps(s + g * kTile + i0, _mm512_mul_ps(reinterpret_cast<const __m512&>(r), scale));
-        }
+        _mm512_storeu_ps(part_i + g * kLanes * kLanes, _mm512_add_ps(a0, a1));
       }
-
-      const int64_t per = std::clamp<int64_t>(kMaxAccVecs / kC, 1, kMaxHeads);
-      float alpha[kMaxHeads];
-      for (int64_t g0 = 0; g0 < G; g0 += per) {
-        const int64_t ng = std::min(per, G - g0);
-        for (int64_t g = g0; g < g0 + ng; ++g) {
-          float* sg = s + g * kTile;
-          alpha[g - g0] = softmax_tile(sg, n, mh[g], lh[g]);
-          for (int64_t i = 0; i < kTile; i += kLanes)  // the weights as bf16, rounded to nearest even
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + (g - g0) * kTile + i),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sg + i)));
-        }
-        float* ag = acc + g0 * D;
-        switch (ng) {
-          case 1: accumulate_v_bf16<kC, 1>(krow, v_off, n, wb, alpha, ag); break;
-          case 2: accumulate_v_bf16<kC, 2>(krow, v_off, n, wb, alpha, ag); break;
-          case 3: accumulate_v_bf16<kC, 3>(krow, v_off, n, wb, alpha, ag); break;
-          default: accumulate_v_bf16<kC, 4>(krow, v_off, n, wb, alpha, ag); break;
-        }
+    });
+    weigh_groups(p, h, per, n, s, st, [&](int64_t g0, int64_t ng, const float* alpha) {
+      for (int64_t g = 0; g < ng; ++g)  // the weights as bf16, rounded to nearest even
+        for (int64_t i = 0; i < kTile; i += kLanes)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + g * kTile + i),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + (g0 + g) * kTile + i)));
+      float* ag = st.acc + (h * G + g0) * D;
+      switch (ng) {
+        case 1: accumulate_v_bf16<kC, 1>(krow, v_off, n, wb, alpha, ag); break;
+        case 2: accumulate_v_bf16<kC, 2>(krow, v_off, n, wb, alpha, ag); break;
+        case 3: accumulate_v_bf16<kC, 3>(krow, v_off, n, wb, alpha, ag); break;
+        default: accumulate_v_bf16<kC, 4>(krow, v_off, n, wb, alpha, ag); break;
       }
-    }
-    std::swap(slot, next);
-  }
+    });
+  });
 }
 #endif  // __AVX512BF16__
 
