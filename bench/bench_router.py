@@ -15,16 +15,23 @@ HTTP), the ceiling the rank side sets. "added" = router minus direct at the same
 "cpu us/tok" (paced runs): the router process's CPU seconds per token streamed, from /proc
 (request handling and the router's idle work included, which dominates at 1 stream); unlike
 the latencies it hardly moves when other processes load the machine.
-The HTTP client (--client): `epoll` (default) reads every stream from one selector loop with
-no coroutines, so the client adds little of its own to the latency columns; `asyncio` is the
-first client (a task and StreamReader per stream), which at 256 streams adds several ms per
-step of its own. On a 2-core machine the router still shares the CPU with the client and the
-fake rank. Not a test: prints a table.
+The HTTP client (--client): `c` (default) is bench/stream_client.cpp (built once with c++ into
+the pdserve cache): one epoll loop, a recv() per readable socket and a scan for the stamps, so
+reading 256 sockets a step costs it little; `c-spin` is the same client polling epoll without
+sleeping, so the router's writes never pay for waking it (on loopback a send() runs the
+receiver's TCP stack and its wake-up in the sender's syscall, which a remote client would not
+cost the router); it takes a core of its own. `epoll` is the Python selector client (~10 us a
+socket of its own: at 256 streams the client, not the router, ended the latency it measured),
+`asyncio` the first one (a task and StreamReader per stream). On a 2-core machine the router
+still shares the CPU with the client and the fake rank. Not a test: prints a table.
 """
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
+import functools
+import hashlib
 import json
 import os
 import re
@@ -33,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -217,8 +225,12 @@ def direct_reference(streams: int, max_tokens: int, step_ms: float = 0.0, warmup
 
 _FLOOR_WRITER = r"""
 import socket, sys, time
-port, streams, steps, step_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+streams, steps, step_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(streams)
+print(srv.getsockname()[1], flush=True)
+socks = [srv.accept()[0] for _ in range(streams)]
 for s in socks:
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 pad = b"x" * 96  # about one streamed token's SSE chunk, chunked framing included
@@ -236,27 +248,46 @@ for s in socks:
 """
 
 
-def floor_reference(streams: int, steps: int, step_ms: float, warmup_s: float) -> list[float]:
+def floor_reference(streams_fn, streams: int, steps: int, step_ms: float, warmup_s: float) -> list[float]:
     """Steady-state per-token latencies of the cheapest fan-out Python can do: a process that,
     every step, writes one token-sized chunk (stamped once per step) to each of `streams`
-    loopback TCP sockets with plain send() calls, read by the same epoll client. No HTTP, no
-    JSON, no rank: the floor that one thread's per-socket syscalls set on this machine."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(streams)
-    proc = subprocess.Popen([sys.executable, "-c", _FLOOR_WRITER, str(srv.getsockname()[1]), str(streams),
-                             str(steps), str(step_ms / 1000)])
-    sel, lat, steady = selectors.DefaultSelector(), [], time.time() + warmup_s
+    loopback TCP sockets with plain send() calls, read by the same client as the router (its
+    request is sent and ignored). No HTTP, no JSON, no rank: the floor that one thread's
+    per-socket syscalls set on this machine."""
+    proc = subprocess.Popen([sys.executable, "-c", _FLOOR_WRITER, str(streams), str(steps), str(step_ms / 1000)],
+                            stdout=subprocess.PIPE, text=True)
     try:
-        for _ in range(streams):
-            conn, _ = srv.accept()
-            conn.setblocking(False)
-            sel.register(conn, selectors.EVENT_READ, [b""])
-        _drain(sel, steady, lat, "floor writer silent")
+        port = int(proc.stdout.readline())
+        return streams_fn(port, streams, steps, warmup_s)[2]
     finally:
-        srv.close()
         proc.wait(timeout=30)
-    return lat
+
+
+def client_binary() -> Path:
+    """bench/stream_client.cpp built (once per source version) into the pdserve cache."""
+    from engine.model_cache import cache_root
+
+    src = ROOT / "bench" / "stream_client.cpp"
+    digest = hashlib.sha256(src.read_bytes()).hexdigest()[:12]
+    exe = cache_root() / "bench" / f"stream_client-{digest}"
+    if not exe.exists():
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        tmp = exe.with_suffix(f".{os.getpid()}")
+        cxx = os.environ.get("CXX") or "c++"
+        subprocess.run([cxx, "-O2", "-o", str(tmp), str(src)], check=True)
+        tmp.replace(exe)
+    return exe
+
+
+def run_streams_c(port: int, streams: int, max_tokens: int, warmup_s: float = 0.0, spin: bool = False):
+    """(tokens received, seconds, steady-state latencies) from the C epoll client (`spin`: it polls)."""
+    env = {**os.environ, "STREAM_CLIENT_SPIN": "1"} if spin else None
+    with tempfile.NamedTemporaryFile(suffix=".lat") as lat_file:
+        out = subprocess.run([str(client_binary()), str(port), str(streams), f"{time.time() + warmup_s:.6f}",
+                              lat_file.name], input=_request(max_tokens), capture_output=True, check=True, env=env)
+        tokens, seconds = out.stdout.split()
+        lat = array.array("d", Path(lat_file.name).read_bytes()).tolist()
+    return int(tokens), float(seconds), lat
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -271,10 +302,12 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=25.0, help="fake rank step period for the latency runs")
     ap.add_argument("--latency-s", type=float, default=4.0, help="steady-state seconds per latency run "
                     "(after 1 s in which every stream starts)")
-    ap.add_argument("--client", choices=("epoll", "asyncio"), default="epoll",
-                    help="HTTP client: one epoll loop (default) or the first one, an asyncio task per stream")
+    ap.add_argument("--client", choices=("c", "c-spin", "epoll", "asyncio"), default="c",
+                    help="HTTP client: bench/stream_client.cpp (default), the same polling without sleep, "
+                    "one Python epoll loop, or the first one, an asyncio task per stream")
     args = ap.parse_args()
-    streams_fn = run_streams if args.client == "epoll" else run_streams_asyncio
+    streams_fn = {"c": run_streams_c, "c-spin": functools.partial(run_streams_c, spin=True), "epoll": run_streams,
+                  "asyncio": run_streams_asyncio}[args.client]
 
     def per_stream(streams: int) -> int:
         return max(1, min(8000, args.tokens // streams))  # within the fake rank's 8192 context
@@ -284,7 +317,7 @@ def main() -> None:
     for s in args.streams:
         tok_s, _ = direct_reference(s, per_stream(s))
         _, lat = direct_reference(s, paced_tokens, args.step_ms, warmup_s=1.0)
-        floor = floor_reference(s, paced_tokens, args.step_ms, warmup_s=1.0)
+        floor = floor_reference(streams_fn, s, paced_tokens, args.step_ms, warmup_s=1.0)
         rows.append({"streams": s, "direct": tok_s, "direct_p50": pct(lat, 0.5) * 1e3,
                      "direct_p99": pct(lat, 0.99) * 1e3, "floor_p50": pct(floor, 0.5) * 1e3,
                      "floor_p99": pct(floor, 0.99) * 1e3})

@@ -23,6 +23,10 @@ class DecoderLM(nn.Module):
 
     layer_cls: type[nn.Module]
     norm_cls: type[nn.Module]
+    # A class whose build(model) returns a plan for steps of decode entries only (plan.run(model,
+    # fb, pool) returns what forward would, bit for bit), or None where the model takes other paths.
+    decode_plan_cls = None
+    use_decode_plan = True  # False: every step through the modules (tests compare the two)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -46,8 +50,20 @@ class DecoderLM(nn.Module):
         x = self.embed_tokens(input_ids)
         return x if self.embed_scale is None else x * self.embed_scale
 
+    def decode_plan(self):
+        """The model's decode plan (built on first use, rebuilt after a weight changed), or None."""
+        plan = self.__dict__.get("_decode_plan", False)
+        if plan is False or (plan is not None and not plan.current()):
+            plan = self.__dict__["_decode_plan"] = self.decode_plan_cls.build(self)
+        return plan
+
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Returns hidden states [S, hidden] of the tokens at fb.logits_indices."""
+        if (self.use_decode_plan and self.decode_plan_cls is not None and fb.num_decode and not fb.prefills
+                and fb.logits_indices.shape[0] == fb.num_decode):
+            plan = self.decode_plan()
+            if plan is not None:
+                return plan.run(self, fb, pool)
         x = self.embed(fb.input_ids)
         fb.rope = {t: r.tables(fb.positions) for t, r in self.rotary.items()}
         residual = None  # layers return (output, residual stream); the next input norm adds them

@@ -5,17 +5,20 @@ layer is four matmuls. Weight names follow Hugging Face checkpoints.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
-from engine.layers.activation import act_and_mul
+from engine.layers import norm, paged_attention_op
+from engine.layers.activation import act_and_mul, fused_act_available
 from engine.layers.attention import PagedAttention
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, small_linear_available
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import apply_rotary
+from engine.layers.rotary import apply_rotary, fused_rotary_available
 from engine.models.base import DecoderLM
 
 
@@ -78,6 +81,104 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class LlamaDecodePlan:
+    """A pure decode step of a Llama-family model as one flat loop over the CPU kernels.
+
+    A decode step is about twelve kernel calls a layer on a handful of rows. Through the
+    modules each call also pays Python's module calls, wrappers and the checks that pick a
+    kernel (about 60 us a layer: 10-15% of a 4-row SmolLM2 step on one core, 2.1 ms of 19.5).
+    The plan makes those choices once, when it is built (like a captured CUDA graph), and then
+    calls the same kernels on the same tensors in the same order as LlamaDecoderLayer.forward
+    and DecoderLM.forward do for such a step, so the bits are the same
+    (tests/unit/test_decode_plan.py). Built only where every layer takes those kernels: bf16
+    on the CPU, no q/k norm, no sliding-window layer, head dim a multiple of 32 (at most 512).
+    A weight replaced or changed in place after the build makes the model rebuild it.
+    PDSERVE_DECODE_PLAN=0 turns it off.
+    """
+
+    def __init__(self, model: DecoderLM) -> None:
+        self.layers = []
+        self.weights: list[tuple[nn.Module, str, torch.Tensor, int]] = []  # (owner, name, tensor, version)
+        for layer in model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                lin.prepare()
+            self.layers.append((
+                layer.input_layernorm.weight, layer.input_layernorm.eps,
+                a.qkv_proj.weight, a.qkv_proj.bias, a.qkv_proj.packed_weight(),
+                a.o_proj.weight, a.o_proj.packed_weight(), layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.packed_weight(),
+                mlp.down_proj.weight, mlp.down_proj.packed_weight(), mlp.gelu, a.attn.layer_id, a.attn.scale,
+                a.layer_type))
+            for mod in (layer.input_layernorm, layer.post_attention_layernorm, a.qkv_proj, a.o_proj,
+                        mlp.gate_up_proj, mlp.down_proj):
+                self.weights.append((mod, "weight", mod.weight, mod.weight._version))
+            if a.qkv_proj.bias is not None:
+                self.weights.append((a.qkv_proj, "bias", a.qkv_proj.bias, a.qkv_proj.bias._version))
+        self.h, self.kvh, self.d = model.layers[0].self_attn.h, model.layers[0].self_attn.kvh, model.cfg.head_dim
+
+    @classmethod
+    def build(cls, model: DecoderLM) -> LlamaDecodePlan | None:
+        """The plan, or None where some layer would take another path than these kernels."""
+        cfg = model.cfg
+        if os.environ.get("PDSERVE_DECODE_PLAN", "1") == "0":  # every step through the modules (comparison)
+            return None
+        if (model.device.type != "cpu" or model.embed_tokens.weight.dtype != torch.bfloat16 or not model.layers
+                or cfg.head_dim % 32 or cfg.head_dim > 512 or not small_linear_available()
+                or not fused_rotary_available() or not fused_act_available()):
+            return None
+        if any(r.cos.dtype != torch.bfloat16 for r in model.rotary.values()):
+            return None
+        for layer in model.layers:
+            a = layer.self_attn
+            if (not isinstance(layer, LlamaDecoderLayer) or a.q_norm is not None or a.attn.sliding
+                    or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm):
+                return None
+            for lin in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if lin.weight.dtype != torch.bfloat16 or not lin.weight.is_contiguous():
+                    return None
+        norm._load_ops()
+        paged_attention_op._load_ops()
+        return cls(model)
+
+    def current(self) -> bool:
+        """No weight the plan holds was replaced or changed in place since it was built."""
+        return all(getattr(mod, name) is w and w._version == v for mod, name, w, v in self.weights)
+
+    def run(self, model: DecoderLM, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """DecoderLM.forward for a step of decode entries only, every row sampled."""
+        ops = torch.ops.pdserve
+        rms, linear, rotary = ops.rms_norm.default, ops.small_linear.default, ops.rotary.default
+        attend, act = ops.paged_decode_attention.default, ops.act_and_mul.default
+        x = model.embed(fb.input_ids)
+        t = x.shape[0]
+        fb.rope = {k: r.tables(fb.positions) for k, r in model.rotary.items()}
+        tables = {k: (c.reshape(t, -1), s.reshape(t, -1)) for k, (c, s) in fb.rope.items()}
+        h, kvh, d = self.h, self.kvh, self.d
+        qk, hook = (h + kvh) * d, model.between_layers
+        wp, wo, pages, ctx = fb.write_page, fb.write_off, fb.dec_pages, fb.dec_ctx
+        residual = None
+        for (in_w, in_eps, qkv_w, qkv_b, qkv_p, o_w, o_p, post_w, post_eps, gu_w, gu_p, down_w, down_p, gelu,
+             layer_id, scale, layer_type) in self.layers:
+            if residual is None:
+                n, residual = rms(x, None, in_w, in_eps, False)[0], x
+            else:
+                n, residual = rms(x, residual, in_w, in_eps, False)
+            qkv = linear(n, qkv_w, qkv_b, qkv_p)
+            cos, sin = tables[layer_type]
+            rotated = rotary(qkv[:, :qk].view(t, h + kvh, d), cos, sin)
+            cache = pool.full[:, pool.layer_index[layer_id]]
+            cache[wp, 0, wo] = rotated[:, h:]
+            cache[wp, 1, wo] = qkv[:, qk:].view(t, kvh, d)
+            o = attend(rotated[:, :h].contiguous(), cache, pages, ctx, scale)
+            n, residual = rms(linear(o.view(t, h * d), o_w, None, o_p), residual, post_w, post_eps, False)
+            x = linear(act(linear(n, gu_w, None, gu_p), gelu), down_w, None, down_p)
+            if hook is not None:
+                hook()
+        return model.norm.add_norm(x, residual)[0]
+
+
 class LlamaForCausalLM(DecoderLM):
     layer_cls = LlamaDecoderLayer
     norm_cls = RMSNorm
+    decode_plan_cls = LlamaDecodePlan

@@ -1,0 +1,73 @@
+"""The decode plan (engine/models/llama.py: a pure decode step as one flat loop over the CPU
+kernels) gives what the modules give, bit for bit, and follows weight changes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.models.llama import LlamaDecodePlan
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = LLMEngine(EngineConfig(num_threads=1, kv_cache_gb=0.1, max_num_batched_tokens=512))
+    if eng.runner.model.decode_plan() is None:
+        eng.close()
+        pytest.skip("no decode plan here (needs the bf16 CPU kernels)")
+    yield eng
+    eng.close()
+
+
+def _run(eng: LLMEngine, prompts, use_plan: bool) -> dict[str, list]:
+    eng.runner.model.use_decode_plan = use_plan
+    out: dict[str, list] = {}
+    try:
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=8 + 3 * i, temperature=0, ignore_eos=True,
+                                                       logprobs=3))
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend((t.token_id, t.logprob, t.top) for t in o.logprobs)
+    finally:
+        eng.runner.model.use_decode_plan = True
+    return out
+
+
+def test_plan_matches_the_modules_bit_for_bit(engine):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (70, 300, 5, 130)]
+    calls = []
+    run = LlamaDecodePlan.run
+    LlamaDecodePlan.run = lambda self, *a: calls.append(1) or run(self, *a)
+    try:
+        planned = _run(engine, prompts, use_plan=True)
+    finally:
+        LlamaDecodePlan.run = run
+    assert len(calls) >= 8 + 3 * 3 - 1  # every step after the last prompt's prefill took the plan
+    assert planned == _run(engine, prompts, use_plan=False)
+    assert [len(v) for v in planned.values()] == [8, 11, 14, 17]
+
+
+def test_plan_is_rebuilt_when_a_weight_changes(engine):
+    model = engine.runner.model
+    plan = model.decode_plan()
+    assert model.decode_plan() is plan
+    w = model.layers[3].mlp.down_proj.weight
+    w.mul_(1)  # in place (same values): the version moves
+    assert model.decode_plan() is not plan
+    plan = model.decode_plan()
+    lin = model.layers[0].self_attn.o_proj
+    lin.weight = torch.nn.Parameter(lin.weight.detach().clone(), requires_grad=False)
+    assert model.decode_plan() is not plan and model.decode_plan().current()
+
+
+def test_no_plan_off_the_kernels(monkeypatch):
+    monkeypatch.setenv("PDSERVE_DECODE_PLAN", "0")
+    eng = LLMEngine(EngineConfig(num_threads=1, kv_cache_gb=0.05, max_num_batched_tokens=256))
+    try:
+        assert eng.runner.model.decode_plan() is None
+    finally:
+        eng.close()
