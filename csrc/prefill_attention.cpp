@@ -46,6 +46,7 @@
 #include "cephes_exp.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -309,10 +310,16 @@ void run(const Args& a) {
     for (int64_t g = g0; g < g1; ++g)
       pack_kv(a, g, steps, kv.data() + g * 2 * tiles_per_head, kv.data() + (g * 2 + 1) * tiles_per_head);
   });
-  // Work: (kv head, query block); a group of more than kMaxGroup heads goes in slices.
+  // Work: (kv head, query block); a group of more than kMaxGroup heads goes in slices. Threads
+  // pull items from a shared counter, the last query blocks (the most keys: causal) first, so
+  // the uneven items balance themselves (a static split of the items in head order gave one of
+  // two threads 1.4x the other's keys for a 542-token prompt). An item's bits do not depend on
+  // the thread that runs it.
   constexpr int64_t kMaxGroup = 8;
   const int64_t slices = (group + kMaxGroup - 1) / kMaxGroup, per = (group + slices - 1) / slices;
-  at::parallel_for(0, a.KVH * slices * qblocks, 1, [&](int64_t w0, int64_t w1) {
+  const int64_t items = a.KVH * slices * qblocks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
 #if defined(PDSERVE_PREFILL_AMX)
     if constexpr (Amx) amx::load_tile_config();
 #endif
@@ -325,10 +332,10 @@ void run(const Args& a) {
       hs[i].ot = ot0 + i * a.D * 16;
     }
     alignas(64) float s[512];
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t g = w / (slices * qblocks), slice = (w / qblocks) % slices;
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t qb = qblocks - 1 - w / (a.KVH * slices), g = (w / slices) % a.KVH, slice = w % slices;
       const int64_t h0 = g * group + slice * per, G = std::min(per, group - slice * per);
-      block<Amx>(a, h0, G, (w % qblocks) * 16, steps, kv.data() + g * 2 * tiles_per_head,
+      block<Amx>(a, h0, G, qb * 16, steps, kv.data() + g * 2 * tiles_per_head,
                  kv.data() + (g * 2 + 1) * tiles_per_head, hs, s);
     }
 #if defined(PDSERVE_PREFILL_AMX)
