@@ -233,6 +233,7 @@ print(srv.getsockname()[1], flush=True)
 socks = [srv.accept()[0] for _ in range(streams)]
 for s in socks:
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.recv(65536)  # the client's request, read so that close() sends FIN, not a reset
 pad = b"x" * 96  # about one streamed token's SSE chunk, chunked framing included
 t_next = time.time()
 for _ in range(steps):
