@@ -98,7 +98,8 @@ class LlamaDecodePlan:
 
     def __init__(self, model: DecoderLM) -> None:
         self.layers = []
-        self.weights: list[tuple[nn.Module, str, torch.Tensor, int]] = []  # (owner, name, tensor, version)
+        # (owner's parameter dict, name, tensor, version): a dict look-up, not nn.Module.__getattr__
+        self.weights: list[tuple[dict, str, torch.Tensor, int]] = []
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
             for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -112,9 +113,9 @@ class LlamaDecodePlan:
                 a.layer_type))
             for mod in (layer.input_layernorm, layer.post_attention_layernorm, a.qkv_proj, a.o_proj,
                         mlp.gate_up_proj, mlp.down_proj):
-                self.weights.append((mod, "weight", mod.weight, mod.weight._version))
+                self.weights.append((mod._parameters, "weight", mod.weight, mod.weight._version))
             if a.qkv_proj.bias is not None:
-                self.weights.append((a.qkv_proj, "bias", a.qkv_proj.bias, a.qkv_proj.bias._version))
+                self.weights.append((a.qkv_proj._parameters, "bias", a.qkv_proj.bias, a.qkv_proj.bias._version))
         self.h, self.kvh, self.d = model.layers[0].self_attn.h, model.layers[0].self_attn.kvh, model.cfg.head_dim
 
     @classmethod
@@ -143,7 +144,7 @@ class LlamaDecodePlan:
 
     def current(self) -> bool:
         """No weight the plan holds was replaced or changed in place since it was built."""
-        return all(getattr(mod, name) is w and w._version == v for mod, name, w, v in self.weights)
+        return all(params.get(name) is w and w._version == v for params, name, w, v in self.weights)
 
     def run(self, model: DecoderLM, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """DecoderLM.forward for a step of decode entries only, every row sampled."""
