@@ -68,13 +68,17 @@ def synthetic_cmd(url: str, model: str, tokenizer: Path, artifact_dir: Path, con
     arrivals) under the same concurrency cap: a freed slot is refilled at the next tick
     (<= 1/tick_rate s later) and the loop sleeps between ticks. 0 keeps aiperf's burst mode.
     The same `seed` gives the same prompts: runs that must not hit a server's prefix cache
-    with an earlier run's prompts need different seeds.
+    with an earlier run's prompts need different seeds. Within a run every request, the
+    warm-up included, gets its own prompt: aiperf makes as many conversations as requests and
+    takes them in order, so with only `requests` of them the last request repeated the first
+    prompt (the warm-up's) and hit a prefix cache (seen as 528 cached tokens in a c1 run).
     """
     pacing = ["--request-rate", str(tick_rate), "--arrival-pattern", "constant"] if tick_rate > 0 else []
     return [str(aiperf_path()), "profile", *_common(url, model, tokenizer, artifact_dir, concurrency, seed),
             "--isl", str(isl), "--isl-stddev", "0", "--osl", str(osl), "--osl-stddev", "0",
             "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
-            "--request-count", str(requests), "--warmup-request-count", "1", *pacing]
+            "--request-count", str(requests), "--warmup-request-count", "1",
+            "--conversation-num", str(requests + 1), *pacing]
 
 
 def run(cmd: list[str], artifact_dir: Path, timeout_s: float) -> int:
