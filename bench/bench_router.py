@@ -262,6 +262,7 @@ def floor_reference(streams_fn, streams: int, steps: int, step_ms: float, warmup
         return streams_fn(port, streams, steps, warmup_s)[2]
     finally:
         proc.wait(timeout=30)
+        proc.stdout.close()
 
 
 def client_binary() -> Path:
