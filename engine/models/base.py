@@ -24,7 +24,8 @@ class DecoderLM(nn.Module):
     layer_cls: type[nn.Module]
     norm_cls: type[nn.Module]
     # A class whose build(model) returns a plan for steps of decode entries only (plan.run(model,
-    # fb, pool) returns what forward would, bit for bit), or None where the model takes other paths.
+    # fb, pool) returns what forward would, bit for bit, for steps of up to plan.max_rows rows), or
+    # None where the model takes other paths.
     decode_plan_cls = None
     use_decode_plan = True  # False: every step through the modules (tests compare the two)
 
@@ -62,7 +63,7 @@ class DecoderLM(nn.Module):
         if (self.use_decode_plan and self.decode_plan_cls is not None and fb.num_decode and not fb.prefills
                 and fb.logits_indices.shape[0] == fb.num_decode):
             plan = self.decode_plan()
-            if plan is not None:
+            if plan is not None and fb.num_decode <= plan.max_rows:
                 return plan.run(self, fb, pool)
         x = self.embed(fb.input_ids)
         fb.rope = {t: r.tables(fb.positions) for t, r in self.rotary.items()}

@@ -16,7 +16,7 @@ from engine.kv_cache import KVPool
 from engine.layers import norm, paged_attention_op
 from engine.layers.activation import act_and_mul, fused_act_available
 from engine.layers.attention import PagedAttention
-from engine.layers.linear import Linear, small_linear_available
+from engine.layers.linear import Linear, gemm_rows, small_linear_available
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, fused_rotary_available
 from engine.models.base import DecoderLM
@@ -117,6 +117,7 @@ class LlamaDecodePlan:
             if a.qkv_proj.bias is not None:
                 self.weights.append((a.qkv_proj._parameters, "bias", a.qkv_proj.bias, a.qkv_proj.bias._version))
         self.h, self.kvh, self.d = model.layers[0].self_attn.h, model.layers[0].self_attn.kvh, model.cfg.head_dim
+        self.max_rows = gemm_rows()  # Linear's kernel takes batches up to this; larger ones take torch's GEMM
 
     @classmethod
     def build(cls, model: DecoderLM) -> LlamaDecodePlan | None:
