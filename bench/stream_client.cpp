@@ -112,12 +112,8 @@ int main(int argc, char** argv) {
   double idle_since = mono_s();
   while (open_ > 0) {
     int k = epoll_wait(ep, ready.data(), streams, spin ? 0 : 60000);
-    if (k == 0 && spin) {
-      if (mono_s() - idle_since < 60) continue;
-      k = 0;
-    } else if (k > 0) {
-      idle_since = mono_s();
-    }
+    if (k > 0) idle_since = mono_s();
+    if (k == 0 && spin && mono_s() - idle_since < 60) continue;
     if (k == 0) {
       fprintf(stderr, "no data for 60 s\n");
       return 1;

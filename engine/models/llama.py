@@ -102,8 +102,6 @@ class LlamaDecodePlan:
         self.weights: list[tuple[dict, str, torch.Tensor, int]] = []
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
-            for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                lin.prepare()
             self.layers.append((
                 layer.input_layernorm.weight, layer.input_layernorm.eps,
                 a.qkv_proj.weight, a.qkv_proj.bias, a.qkv_proj.packed_weight(),
