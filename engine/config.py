@@ -188,6 +188,9 @@ class EngineConfig:
     hicache_size_gb: float = 0.0
     hicache_state_slots: int = 16  # SWA states it holds (hybrid models only), out of hicache_size_gb
     hicache_shm_name: str = ""  # file under /dev/shm; "" -> pdserve-hicache-<pid>-<random>
+    # Directory (tmpfs) where the ranks of one host map one read-only copy of the weights
+    # (engine/shared_weights.py); "" keeps a private copy. The launcher sets it for its ranks.
+    shared_weights_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

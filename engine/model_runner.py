@@ -43,6 +43,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = build_model(self.model_cfg, cfg.torch_dtype, self.device)
         self.model.load_weights(WeightLoader(model_dir))
+        self.shared_weights = None
+        if cfg.shared_weights_dir and self.device.type == "cpu":
+            from engine.shared_weights import share_weights
+            self.shared_weights = share_weights(self.model, cfg.shared_weights_dir, f"{model_dir}|{cfg.dtype}")
         log.info("loaded %s (%s, %s) in %.1fs", model_dir, cfg.dtype, cfg.device, time.perf_counter() - t0)
         self.pool = KVPool(self.model_cfg, cfg.page_size, num_pages, cfg.max_num_seqs, cfg.torch_dtype, self.device)
         self.sampler = Sampler()

@@ -33,6 +33,7 @@ import asyncio
 import gc
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -78,6 +79,9 @@ class LaunchConfig:
                                        "ranks. Off by default: steps above 1024 rows use oneDNN's GEMM, which "
                                        "rounds differently at another thread count, so outputs then depend on "
                                        "timing in their last bits (greedy text can differ)")
+    share_weights: bool = opt(True, "CPU ranks map one read-only copy of the weights from a file on tmpfs "
+                                    "instead of each holding its own: ranks decoding at once then read each "
+                                    "layer from memory once between them (engine/shared_weights.py)")
 
     def __post_init__(self) -> None:
         if min(self.colocated, self.prefill, self.decode) < 0:
@@ -126,6 +130,18 @@ def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router
     return cmd
 
 
+def make_weights_dir() -> Path:
+    """This launcher's directory for the ranks' shared weights (engine/shared_weights.py), on tmpfs
+    where there is one; those of launchers that are gone are removed first."""
+    from engine.shared_weights import PREFIX, remove_stale
+
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    remove_stale(shm)
+    d = shm / f"{PREFIX}{os.getpid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
 async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, model_name: str,
                 handoff: HandoffConfig | None = None) -> None:
     """Run the router and its ranks until a signal; `model_name` is the served id."""
@@ -152,6 +168,10 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
     if (launch.lend_cores or launch.lend_idle_cores) and launch.num_ranks > 1 and engine_cfg.device == "cpu":
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         board = str(create_board(board_path(shm, os.getpid()), launch.num_ranks))
+    weights_dir = None
+    if launch.share_weights and launch.num_ranks > 1 and engine_cfg.device == "cpu" and not launch.fake_ranks:
+        weights_dir = make_weights_dir()
+        engine_cfg = replace(engine_cfg, shared_weights_dir=str(weights_dir))
     sup = Supervisor(registry, lambda role, i: rank_command(engine_cfg, launch, role, i, addr, handoff, board),
                      launch.run_dir, launch.max_restarts if launch.supervise else 0, launch.restart_backoff_s,
                      launch.rank_start_timeout_s)
@@ -183,6 +203,8 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
         await asyncio.to_thread(sup.reap, launch.rank_shutdown_s)
         if board:
             Path(board).unlink(missing_ok=True)
+        if weights_dir is not None:
+            shutil.rmtree(weights_dir, ignore_errors=True)
         log.info("stopped")
 
 

@@ -1,0 +1,175 @@
+"""One read-only copy of the weights for every rank of a host.
+
+A decode step streams every weight matrix from memory once, and on a CPU host the ranks share
+the memory bus: two colocated ranks decoding at once each read their own copy, and each gets
+half the bandwidth. Mapped from one file, the copies are the same physical pages; the rank that
+reads a layer second finds it in the shared L3 and catches up, so after a few layers the two
+read each layer once between them. Measured on this 2-core Zen 4 VM, two processes streaming 30
+blocks of 9 MB: 17-18 ms a pass each with private copies, 10.5 ms with one shared copy (one
+process alone: 11.4 ms). It also halves the weights' resident memory.
+
+The launcher makes a directory on tmpfs (`--shared-weights-dir`, /dev/shm/pdserve-weights-<pid>)
+and removes it when it stops. Each rank loads and packs its model as before, then calls
+`share_weights`: the first rank to get there writes every parameter and packed kernel copy into
+one file (named by a hash of the model's identity and the tensors' names, dtypes and shapes;
+written under a temporary name and renamed, so a reader never sees half a file), the others map
+that file. Before a rank swaps its tensors for views of the mapping it compares them byte for
+byte with its own: a file that differs in any byte (another build of the kernels' layout,
+another checkpoint) is not used and the rank keeps its private copy. The mapping is read-only
+(PROT_READ): a write to a weight faults instead of changing the peers' weights. Where the file
+cannot be written (tmpfs full) the rank keeps its private copy and logs why.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # every tensor starts on its own page
+PREFIX = "pdserve-weights-"
+
+
+@dataclass
+class SharedWeights:
+    """The mapping a model's tensors are views of (kept alive with the model)."""
+
+    path: Path
+    nbytes: int
+    created: bool  # this process wrote the file
+    address: int  # where the mapping starts in this process
+    mm: mmap.mmap
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """`t`'s bytes lie inside the mapping."""
+        return self.address <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= self.address + self.nbytes
+
+
+def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter (tied ones once) and every Linear's packed copy."""
+    from engine.layers.linear import Linear
+
+    out = [(name, p) for name, p in model.named_parameters()]  # duplicates (tied) removed by torch
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod._packed is not None:
+            out.append((name + "._packed", mod._packed[1]))
+    return out
+
+
+def _layout(identity: str, tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list[int], int]:
+    """(file key, byte offset of each tensor, file size)."""
+    offsets, pos, manifest = [], 0, []
+    for name, t in tensors:
+        offsets.append(pos)
+        nbytes = t.numel() * t.element_size()
+        manifest.append([name, str(t.dtype), list(t.shape), nbytes, pos])
+        pos += -(-nbytes // ALIGN) * ALIGN
+    key = hashlib.blake2b(json.dumps([identity, manifest]).encode(), digest_size=12).hexdigest()
+    return key, offsets, pos
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _write(path: Path, tensors: list[tuple[str, torch.Tensor]], offsets: list[int], size: int) -> bool:
+    """Write the file under a temporary name and rename it; False where it cannot be written."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            for (_, t), off in zip(tensors, offsets):
+                f.seek(off)
+                f.write(memoryview(_bytes(t).numpy()))
+            f.truncate(size)
+        os.replace(tmp, path)  # a peer that wrote the same bytes first is simply replaced
+        return True
+    except OSError as e:
+        log.warning("shared weights: cannot write %s (%s); this rank keeps its own copy", path, e)
+        tmp.unlink(missing_ok=True)
+        return False
+
+
+def share_weights(model: nn.Module, directory: str | Path, identity: str) -> SharedWeights | None:
+    """Swap the CPU model's weights for read-only views of the host's shared copy in `directory`
+    (written by the first rank that gets here). `identity` names the checkpoint and dtype.
+    Returns None, leaving the model as it was, where the file cannot be used."""
+    tensors = _tensors(model)
+    if not tensors or any(t.device.type != "cpu" for _, t in tensors):
+        return None
+    key, offsets, size = _layout(identity, tensors)
+    path = Path(directory) / f"{PREFIX}{key}.bin"
+    created = False
+    if not path.exists():
+        if not _write(path, tensors, offsets, size):
+            return None
+        created = True
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size != size:
+            log.warning("shared weights: %s has %d bytes, expected %d; keeping this rank's copy",
+                        path, os.fstat(fd).st_size, size)
+            return None
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # a non-writable buffer is the point: writes fault
+        warnings.simplefilter("ignore", UserWarning)
+        base = torch.frombuffer(mm, dtype=torch.uint8)
+    views = []
+    for (name, t), off in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        v = base[off:off + n]
+        if not torch.equal(v, _bytes(t)):
+            log.warning("shared weights: %s differs from this rank's %s; keeping this rank's copy", path, name)
+            del base, v, views
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive somewhere: the GC unmaps it later
+                pass
+            return None
+        views.append(v.view(t.dtype).view(t.shape))
+    _swap(model, tensors, views)
+    log.info("shared weights: %s %s (%.0f MB)", "wrote and mapped" if created else "mapped", path, size / 2**20)
+    return SharedWeights(path, size, created, base.data_ptr(), mm)
+
+
+def _swap(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], views: list[torch.Tensor]) -> None:
+    from engine.layers.linear import Linear
+
+    new = {name: v for (name, _), v in zip(tensors, views)}
+    # One Parameter per tensor: a tied one, held by two modules, stays one object.
+    by_ptr = {t.data_ptr(): nn.Parameter(new[name], requires_grad=False)
+              for name, t in tensors if not name.endswith("._packed")}
+    for mod in model.modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is not None and p.data_ptr() in by_ptr:
+                mod._parameters[pname] = by_ptr[p.data_ptr()]
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and name + "._packed" in new:
+            w = mod.weight
+            mod._packed = ((w.data_ptr(), w._version, tuple(w.shape)), new[name + "._packed"])
+
+
+def remove_stale(directory: str | Path) -> None:
+    """Remove `PREFIX<pid>` directories under `directory` whose launcher pid no longer runs."""
+    import shutil
+
+    for p in Path(directory).glob(PREFIX + "*"):
+        pid = p.name[len(PREFIX):]
+        if not p.is_dir() or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:
+            pass

@@ -1,0 +1,110 @@
+"""Ranks of one host map one read-only copy of the weights (engine/shared_weights.py): the
+first writes it, the others map it, every rank decodes exactly what a private copy decodes,
+and a file that differs in any byte, or that cannot be written, leaves the rank its own copy."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.layers.linear import Linear
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.shared_weights import PREFIX, remove_stale
+from pd_server.launch import make_weights_dir
+
+
+def _engine(model_dir, shared: str = "") -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), num_threads=1, kv_cache_gb=0.05,
+                                  max_num_batched_tokens=256, shared_weights_dir=shared))
+
+
+def _greedy(eng: LLMEngine) -> dict[str, list]:
+    g = torch.Generator().manual_seed(5)
+    for i, n in enumerate((9, 40, 23)):
+        eng.add_request(f"r{i}", torch.randint(3, 500, (n,), generator=g).tolist(),
+                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))
+    out: dict[str, list] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend((t.token_id, t.logprob, t.top) for t in o.logprobs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            eng = _engine(tiny_model_dir(family))
+            made[family] = _greedy(eng)
+            eng.close()
+        return made[family]
+    return get
+
+
+@pytest.mark.parametrize("family", ["llama_tied_linear", "gemma3"])
+def test_ranks_map_one_copy_and_decode_what_a_private_copy_decodes(tiny_model_dir, reference, family, tmp_path):
+    first, second = _engine(tiny_model_dir(family), str(tmp_path)), _engine(tiny_model_dir(family), str(tmp_path))
+    try:
+        a, b = first.runner.shared_weights, second.runner.shared_weights
+        assert a is not None and b is not None
+        assert (a.created, b.created) == (True, False) and a.path == b.path
+        assert sorted(p.name for p in tmp_path.iterdir()) == [a.path.name]  # no temporary file left
+        for eng, sw in ((first, a), (second, b)):
+            model = eng.runner.model
+            assert all(sw.holds(p) for p in model.parameters())
+            packed = [m._packed[1] for m in model.modules() if isinstance(m, Linear) and m._packed is not None]
+            assert all(sw.holds(p) for p in packed)
+            if model.cfg.tie_word_embeddings:
+                assert model.lm_head.weight is model.embed_tokens.weight
+        assert _greedy(first) == reference(family)
+        assert _greedy(second) == reference(family)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_file_that_differs_in_one_byte_is_not_used(tiny_model_dir, reference, tmp_path):
+    model_dir = tiny_model_dir("llama_tied_linear")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    writer = _engine(model_dir, str(tmp_path / "a"))
+    src = writer.runner.shared_weights.path
+    data = bytearray(src.read_bytes())
+    writer.close()
+    data[len(data) // 3] ^= 1
+    (tmp_path / "b" / src.name).write_bytes(bytes(data))
+    eng = _engine(model_dir, str(tmp_path / "b"))
+    try:
+        assert eng.runner.shared_weights is None
+        assert _greedy(eng) == reference("llama_tied_linear")
+    finally:
+        eng.close()
+
+
+def test_a_directory_that_cannot_be_written_keeps_a_private_copy(tiny_model_dir, reference, tmp_path):
+    eng = _engine(tiny_model_dir("llama_tied_linear"), str(tmp_path / "missing"))
+    try:
+        assert eng.runner.shared_weights is None
+        assert _greedy(eng) == reference("llama_tied_linear")
+    finally:
+        eng.close()
+
+
+def test_launcher_directories_of_gone_launchers_are_removed(tmp_path, monkeypatch):
+    dead = 2**22 + 12345  # above the default pid_max
+    (tmp_path / f"{PREFIX}{dead}").mkdir()
+    (tmp_path / f"{PREFIX}{dead}" / "x.bin").write_bytes(b"1")
+    (tmp_path / f"{PREFIX}{os.getpid()}").mkdir()
+    (tmp_path / f"{PREFIX}notes").mkdir()
+    remove_stale(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{PREFIX}{os.getpid()}", f"{PREFIX}notes"])
+    d = make_weights_dir()
+    try:
+        assert d.name == f"{PREFIX}{os.getpid()}" and d.is_dir()
+    finally:
+        d.rmdir()
