@@ -142,6 +142,18 @@ def make_weights_dir() -> Path:
     return d
 
 
+def shared_weights_config(engine_cfg, launch: LaunchConfig):
+    """(the ranks' engine config, this launcher's weights directory or None). With share_weights
+    and more than one CPU rank the ranks get a new directory of this launcher's (removed when it
+    stops), unless --shared-weights-dir named one (kept); without share_weights, none."""
+    if not launch.share_weights:
+        return replace(engine_cfg, shared_weights_dir=""), None
+    if engine_cfg.shared_weights_dir or launch.num_ranks < 2 or engine_cfg.device != "cpu" or launch.fake_ranks:
+        return engine_cfg, None
+    d = make_weights_dir()
+    return replace(engine_cfg, shared_weights_dir=str(d)), d
+
+
 async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, model_name: str,
                 handoff: HandoffConfig | None = None) -> None:
     """Run the router and its ranks until a signal; `model_name` is the served id."""
@@ -168,10 +180,7 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
     if (launch.lend_cores or launch.lend_idle_cores) and launch.num_ranks > 1 and engine_cfg.device == "cpu":
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         board = str(create_board(board_path(shm, os.getpid()), launch.num_ranks))
-    weights_dir = None
-    if launch.share_weights and launch.num_ranks > 1 and engine_cfg.device == "cpu" and not launch.fake_ranks:
-        weights_dir = make_weights_dir()
-        engine_cfg = replace(engine_cfg, shared_weights_dir=str(weights_dir))
+    engine_cfg, weights_dir = shared_weights_config(engine_cfg, launch)
     sup = Supervisor(registry, lambda role, i: rank_command(engine_cfg, launch, role, i, addr, handoff, board),
                      launch.run_dir, launch.max_restarts if launch.supervise else 0, launch.restart_backoff_s,
                      launch.rank_start_timeout_s)

@@ -108,3 +108,26 @@ def test_launcher_directories_of_gone_launchers_are_removed(tmp_path, monkeypatc
         assert d.name == f"{PREFIX}{os.getpid()}" and d.is_dir()
     finally:
         d.rmdir()
+
+
+def test_the_launcher_gives_its_cpu_ranks_a_directory_of_its_own(tmp_path):
+    from pd_server.launch import LaunchConfig, rank_command, shared_weights_config
+
+    cfg, d = shared_weights_config(EngineConfig(), LaunchConfig(colocated=2))
+    try:
+        assert d is not None and cfg.shared_weights_dir == str(d) and d.is_dir()
+        cmd = rank_command(cfg, LaunchConfig(colocated=2), "colocated", 1, "ipc://x")
+        assert cmd[cmd.index("--shared-weights-dir") + 1] == str(d)
+    finally:
+        d.rmdir()
+    # one rank, CUDA, stand-in ranks: nothing to share
+    for eng, launch in ((EngineConfig(), LaunchConfig(colocated=1)),
+                        (EngineConfig(device="cuda"), LaunchConfig(prefill=1, decode=1)),
+                        (EngineConfig(), LaunchConfig(colocated=2, fake_ranks=True))):
+        assert shared_weights_config(eng, launch) == (eng, None)
+    # a directory given is used as it is (and not the launcher's to remove); --no-share-weights: none
+    given = EngineConfig(shared_weights_dir=str(tmp_path))
+    assert shared_weights_config(given, LaunchConfig(colocated=2)) == (given, None)
+    cfg, d = shared_weights_config(given, LaunchConfig(colocated=2, share_weights=False))
+    assert d is None and cfg.shared_weights_dir == ""
+    assert "--shared-weights-dir" not in rank_command(cfg, LaunchConfig(colocated=2), "colocated", 0, "ipc://x")
