@@ -53,7 +53,9 @@ def test_ranks_map_one_copy_and_decode_what_a_private_copy_decodes(tiny_model_di
         a, b = first.runner.shared_weights, second.runner.shared_weights
         assert a is not None and b is not None
         assert (a.created, b.created) == (True, False) and a.path == b.path
-        assert sorted(p.name for p in tmp_path.iterdir()) == [a.path.name]  # no temporary file left
+        # no temporary file left: the weights and the writers' lock
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([a.path.name, a.path.with_suffix(".lock").name])
+        assert a.inode == b.inode
         for eng, sw in ((first, a), (second, b)):
             model = eng.runner.model
             assert all(sw.holds(p) for p in model.parameters())
@@ -131,3 +133,36 @@ def test_the_launcher_gives_its_cpu_ranks_a_directory_of_its_own(tmp_path):
     cfg, d = shared_weights_config(given, LaunchConfig(colocated=2, share_weights=False))
     assert d is None and cfg.shared_weights_dir == ""
     assert "--shared-weights-dir" not in rank_command(cfg, LaunchConfig(colocated=2), "colocated", 0, "ipc://x")
+
+
+def test_ranks_that_start_together_write_one_file_and_all_map_it(tmp_path):
+    import threading
+
+    from engine.layers.linear import Linear
+    from engine.shared_weights import share_weights
+
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*(Linear(256, 512, bias=False) for _ in range(8))).to(torch.bfloat16)
+        for lin in m:
+            lin.prepare()
+        return m
+
+    models = [model() for _ in range(4)]
+    want = [lin.weight.clone() for lin in models[0]]
+    start, got = threading.Barrier(len(models)), [None] * len(models)
+
+    def rank(i):
+        start.wait()
+        got[i] = share_weights(models[i], tmp_path, "toy|bfloat16")
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(g is not None for g in got)
+    assert sum(g.created for g in got) == 1 and len({g.inode for g in got}) == 1
+    for m, g in zip(models, got):
+        assert all(g.holds(lin.weight) for lin in m)
+        assert all(torch.equal(lin.weight, w) for lin, w in zip(m, want))
