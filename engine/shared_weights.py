@@ -1,20 +1,20 @@
 """One read-only copy of the weights for every rank of a host.
 
-A decode step streams every weight matrix from memory once, and on a CPU host the ranks share
-the memory bus: two colocated ranks decoding at once each read their own copy, and each gets
-half the bandwidth. Mapped from one file, the copies are the same physical pages; the rank that
-reads a layer second finds it in the shared L3 and catches up, so after a few layers the two
-read each layer once between them. Measured on this 2-core Zen 4 VM, two processes streaming 30
-blocks of 9 MB: 17-18 ms a pass each with private copies, 10.5 ms with one shared copy (one
-process alone: 11.4 ms). It also halves the weights' resident memory.
+Every rank of a launch holds the same weights, and the linear kernel's packed copy of them
+(513 MB for SmolLM2 in bf16): mapped from one file they are held once, not once per rank.
+Mapped, the copies are also the same physical pages, so ranks that read a layer at about the
+same time share it in the L3. Measured on this 2-core Zen 4 VM: two processes streaming 30
+blocks of 9 MB took 17-18 ms a pass each with private copies and 10.5 ms with one shared copy
+(one process alone: 11.4 ms); but a 4-row decode step is not bandwidth-bound enough for that to
+show in serving (c8, alternated fresh servers: within the run-to-run noise).
 
 The launcher makes a directory on tmpfs (`--shared-weights-dir`, /dev/shm/pdserve-weights-<pid>)
 and removes it when it stops. Each rank loads and packs its model as before, then calls
 `share_weights`: the first rank to get there (an flock on a lock file next to it) writes every
 parameter and packed kernel copy into one file (named by a hash of the model's identity and the
 tensors' names, dtypes and shapes; written under a temporary name and renamed, so a reader never
-sees half a file), the others map that file. Before a rank swaps its tensors for views of the mapping it compares them byte for
-byte with its own: a file that differs in any byte (another build of the kernels' layout,
+sees half a file), the others map that file. Before a rank swaps its tensors for views of the
+mapping it compares them byte for byte with its own: a file that differs in any byte (another build of the kernels' layout,
 another checkpoint) is not used and the rank keeps its private copy. The mapping is read-only
 (PROT_READ): a write to a weight faults instead of changing the peers' weights. Where the file
 cannot be written (tmpfs full) the rank keeps its private copy and logs why.
