@@ -14,10 +14,11 @@ and removes it when it stops. Each rank loads and packs its model as before, the
 parameter and packed kernel copy into one file (named by a hash of the model's identity and the
 tensors' names, dtypes and shapes; written under a temporary name and renamed, so a reader never
 sees half a file), the others map that file. Before a rank swaps its tensors for views of the
-mapping it compares them byte for byte with its own: a file that differs in any byte (another build of the kernels' layout,
-another checkpoint) is not used and the rank keeps its private copy. The mapping is read-only
-(PROT_READ): a write to a weight faults instead of changing the peers' weights. Where the file
-cannot be written (tmpfs full) the rank keeps its private copy and logs why.
+mapping it compares them byte for byte with its own: a file that differs in any byte (another
+build of the kernels' layout, another checkpoint) is not used and the rank keeps its private copy.
+The mapping is read-only (PROT_READ): a write to a weight faults instead of changing the peers'
+weights. Where the file cannot be written (tmpfs full) or opened the rank keeps its private copy
+and logs why.
 """
 from __future__ import annotations
 
@@ -101,6 +102,31 @@ def _write(path: Path, tensors: list[tuple[str, torch.Tensor]], offsets: list[in
         return False
 
 
+def _map(path: Path, tensors, offsets: list[int], size: int) -> tuple[mmap.mmap | None, int, bool]:
+    """(read-only mapping of the file, its inode, whether this process wrote it), written first
+    where it does not exist; (None, 0, False) where it cannot be written or has another size."""
+    # One writer: ranks that start together would otherwise each write (and map) a file of their own.
+    lock = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    created = False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            if not _write(path, tensors, offsets, size):
+                return None, 0, False
+            created = True
+        fd = os.open(path, os.O_RDONLY)
+    finally:
+        os.close(lock)  # releases the lock
+    try:
+        st = os.fstat(fd)
+        if st.st_size != size:
+            log.warning("shared weights: %s has %d bytes, expected %d; keeping this rank's copy", path, st.st_size, size)
+            return None, 0, False
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), st.st_ino, created
+    finally:
+        os.close(fd)
+
+
 def share_weights(model: nn.Module, directory: str | Path, identity: str) -> SharedWeights | None:
     """Swap the CPU model's weights for read-only views of the host's shared copy in `directory`
     (written by the first rank that gets here). `identity` names the checkpoint and dtype.
@@ -110,31 +136,13 @@ def share_weights(model: nn.Module, directory: str | Path, identity: str) -> Sha
         return None
     key, offsets, size = _layout(identity, tensors)
     path = Path(directory) / f"{PREFIX}{key}.bin"
-    created = False
     try:
-        # One writer: ranks that start together would otherwise each write (and map) a file of their own.
-        lock = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        mm, inode, created = _map(path, tensors, offsets, size)
     except OSError as e:
-        log.warning("shared weights: cannot use %s (%s); this rank keeps its own copy", directory, e)
+        log.warning("shared weights: cannot use %s (%s); this rank keeps its own copy", path, e)
         return None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            if not _write(path, tensors, offsets, size):
-                return None
-            created = True
-        fd = os.open(path, os.O_RDONLY)
-    finally:
-        os.close(lock)  # releases the lock
-    try:
-        inode = os.fstat(fd).st_ino
-        if os.fstat(fd).st_size != size:
-            log.warning("shared weights: %s has %d bytes, expected %d; keeping this rank's copy",
-                        path, os.fstat(fd).st_size, size)
-            return None
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
+    if mm is None:
+        return None
     with warnings.catch_warnings():  # a non-writable buffer is the point: writes fault
         warnings.simplefilter("ignore", UserWarning)
         base = torch.frombuffer(mm, dtype=torch.uint8)

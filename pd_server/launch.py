@@ -79,9 +79,9 @@ class LaunchConfig:
                                        "ranks. Off by default: steps above 1024 rows use oneDNN's GEMM, which "
                                        "rounds differently at another thread count, so outputs then depend on "
                                        "timing in their last bits (greedy text can differ)")
-    share_weights: bool = opt(True, "CPU ranks map one read-only copy of the weights from a file on tmpfs "
-                                    "instead of each holding its own: ranks decoding at once then read each "
-                                    "layer from memory once between them (engine/shared_weights.py)")
+    share_weights: bool = opt(True, "CPU ranks map one read-only copy of the weights (and the linear kernel's "
+                                    "packed copies) from a file on tmpfs instead of each holding its own "
+                                    "(engine/shared_weights.py)")
 
     def __post_init__(self) -> None:
         if min(self.colocated, self.prefill, self.decode) < 0:

@@ -166,3 +166,18 @@ def test_ranks_that_start_together_write_one_file_and_all_map_it(tmp_path):
     for m, g in zip(models, got):
         assert all(g.holds(lin.weight) for lin in m)
         assert all(torch.equal(lin.weight, w) for lin, w in zip(m, want))
+
+
+def test_a_file_of_another_size_is_not_used(tiny_model_dir, reference, tmp_path):
+    model_dir = tiny_model_dir("llama_tied_linear")
+    (tmp_path / "a").mkdir()
+    writer = _engine(model_dir, str(tmp_path / "a"))
+    name = writer.runner.shared_weights.path.name
+    writer.close()
+    (tmp_path / name).write_bytes(b"short")  # same name, a few bytes
+    eng = _engine(model_dir, str(tmp_path))
+    try:
+        assert eng.runner.shared_weights is None
+        assert _greedy(eng) == reference("llama_tied_linear")
+    finally:
+        eng.close()
