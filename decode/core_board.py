@@ -60,15 +60,26 @@ def create_board(path: str | Path, ranks: int) -> Path:
 
 def remove_stale_boards(directory: str | Path) -> list[Path]:
     """Unlink the boards in `directory` whose launcher pid no longer runs; returns them."""
+    return remove_stale_launcher_paths(directory, BOARD_PREFIX)
+
+
+def remove_stale_launcher_paths(directory: str | Path, prefix: str) -> list[Path]:
+    """Remove the files or directories `<prefix><launcher pid>` in `directory` whose launcher no
+    longer runs (killed before it could remove its own); returns them."""
+    import shutil
+
     removed = []
-    for p in Path(directory).glob(BOARD_PREFIX + "*"):
-        pid = p.name[len(BOARD_PREFIX):]
+    for p in Path(directory).glob(prefix + "*"):
+        pid = p.name[len(prefix):]
         if not pid.isdigit():
             continue
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            p.unlink(missing_ok=True)
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
             removed.append(p)
         except PermissionError:  # another user's live launcher
             pass

@@ -94,7 +94,7 @@ def _write(path: Path, tensors: list[tuple[str, torch.Tensor]], offsets: list[in
                 f.seek(off)
                 f.write(memoryview(_bytes(t).numpy()))
             f.truncate(size)
-        os.replace(tmp, path)  # a peer that wrote the same bytes first is simply replaced
+        os.replace(tmp, path)  # readers see the whole file or none
         return True
     except OSError as e:
         log.warning("shared weights: cannot write %s (%s); this rank keeps its own copy", path, e)
@@ -194,19 +194,3 @@ def _swap(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], views: list
         if isinstance(mod, Linear) and name + "._packed" in new:
             w = mod.weight
             mod._packed = ((w.data_ptr(), w._version, tuple(w.shape)), new[name + "._packed"])
-
-
-def remove_stale(directory: str | Path) -> None:
-    """Remove `PREFIX<pid>` directories under `directory` whose launcher pid no longer runs."""
-    import shutil
-
-    for p in Path(directory).glob(PREFIX + "*"):
-        pid = p.name[len(PREFIX):]
-        if not p.is_dir() or not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-        except PermissionError:
-            pass

@@ -41,7 +41,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from decode.config import HandoffConfig
-from decode.core_board import board_path, create_board
+from decode.core_board import board_path, create_board, remove_stale_launcher_paths
 from pd_server.cluster_auth import SECRET_ENV, cluster_secret_from_env
 from pd_server.cli_args import add_dataclass_args, from_args, opt
 from pd_server.config import RouterConfig
@@ -133,10 +133,10 @@ def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router
 def make_weights_dir() -> Path:
     """This launcher's directory for the ranks' shared weights (engine/shared_weights.py), on tmpfs
     where there is one; those of launchers that are gone are removed first."""
-    from engine.shared_weights import PREFIX, remove_stale
+    from engine.shared_weights import PREFIX
 
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    remove_stale(shm)
+    remove_stale_launcher_paths(shm, PREFIX)
     d = shm / f"{PREFIX}{os.getpid()}"
     d.mkdir(mode=0o700, exist_ok=True)
     return d

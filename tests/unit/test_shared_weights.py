@@ -12,7 +12,8 @@ from engine.config import EngineConfig
 from engine.layers.linear import Linear
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.shared_weights import PREFIX, remove_stale
+from decode.core_board import remove_stale_launcher_paths
+from engine.shared_weights import PREFIX
 from pd_server.launch import make_weights_dir
 
 
@@ -103,7 +104,7 @@ def test_launcher_directories_of_gone_launchers_are_removed(tmp_path, monkeypatc
     (tmp_path / f"{PREFIX}{dead}" / "x.bin").write_bytes(b"1")
     (tmp_path / f"{PREFIX}{os.getpid()}").mkdir()
     (tmp_path / f"{PREFIX}notes").mkdir()
-    remove_stale(tmp_path)
+    assert remove_stale_launcher_paths(tmp_path, PREFIX) == [tmp_path / f"{PREFIX}{dead}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{PREFIX}{os.getpid()}", f"{PREFIX}notes"])
     d = make_weights_dir()
     try:
