@@ -21,49 +21,17 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 
+#include "act_vec.h"
 #include "bf16_vec.h"
-#include "cephes_exp.h"
 
 namespace pdserve {
 namespace {
 
 using namespace vec;
-
-// exp(x) (Cephes expf: range reduction by ln 2, degree-6 polynomial); +inf above
-// 88.7 like expf, ~1e-38 instead of 0 below -87.
-inline f32x16 exp16(f32x16 x) {
-  const f32x16 kRound = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  const auto overflow = x > splat(88.7f);
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  x = overflow ? splat(88.f) : x;
-  const f32x16 n = (x * 1.44269504088896341f + kRound) - kRound;
-  const f32x16 p = exp_reduced(x, n);
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;  // 2^n, n in [-126, 127]
-  f32x16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  const f32x16 inf = splat(__builtin_inff());
-  return overflow ? inf : p * scale;
-}
-
-inline f32x16 silu16(f32x16 g) { return g / (1.f + exp16(-g)); }
-
-// 0.5 * g * (1 + tanh(y)) == g / (1 + exp(-2y)): no cancellation in 1 + tanh(y) for y << 0.
-inline f32x16 gelu_tanh16(f32x16 g) {
-  const f32x16 y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-  return g / (1.f + exp16(-2.f * y));
-}
-
-// Scalar forms for the last I % 16 columns: the same formulas as the vector ones.
-inline float silu1(float g) { return g / (1.f + std::exp(-g)); }
-
-inline float gelu_tanh1(float g) {
-  const float y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-  return g / (1.f + std::exp(-2.f * y));
-}
+using act::gelu_tanh1;
+using act::silu1;
 
 template <bool kGelu>
 void act_rows(const c10::BFloat16* x, c10::BFloat16* out, int64_t T, int64_t I) {
@@ -76,9 +44,7 @@ void act_rows(const c10::BFloat16* x, c10::BFloat16* out, int64_t T, int64_t I) 
       c10::BFloat16* o = out + r * I;
       int64_t i = 0;
       for (; i + kLanes <= I; i += kLanes) {
-        const f32x16 gv = load_bf16(g + i);
-        const f32x16 a = round_bf16(kGelu ? gelu_tanh16(gv) : silu16(gv));
-        store_bf16(o + i, round_bf16(a * load_bf16(u + i)));
+        store_bf16(o + i, act::gated16<kGelu>(load_bf16(g + i), load_bf16(u + i)));
       }
       for (; i < I; ++i) {
         const float gv = static_cast<float>(g[i]);

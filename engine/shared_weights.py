@@ -192,5 +192,4 @@ def _swap(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], views: list
                 mod._parameters[pname] = by_ptr[p.data_ptr()]
     for name, mod in model.named_modules():
         if isinstance(mod, Linear) and name + "._packed" in new:
-            w = mod.weight
-            mod._packed = ((w.data_ptr(), w._version, tuple(w.shape)), new[name + "._packed"])
+            mod._packed = (mod.packed_key(), new[name + "._packed"])

@@ -21,7 +21,7 @@ def fused_act_available() -> bool:
     if os.environ.get("PDSERVE_FUSED_ACT", "1") == "0":
         return False
     load_kernel("engine.layers.activation", "activation_cpu", ["activation.cpp"], ("-O3", "-march=native", "-fopenmp"),
-                headers=["include/bf16_vec.h", "include/cephes_exp.h"])
+                headers=["include/act_vec.h", "include/bf16_vec.h", "include/cephes_exp.h"])
     return True
 
 

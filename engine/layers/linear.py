@@ -14,6 +14,11 @@ Zen 4); both with the per-row bits of a decode batch. The layer keeps the packed
 the kernel (`-march=native`); on a CPU or compiler without AVX512-BF16 the op says it is
 unsupported and torch's linear is used. Set PDSERVE_SMALL_LINEAR=0 to force torch's path, PDSERVE_CHUNK_GEMM=0
 to keep prefill chunks (more than MAX_ROWS rows) on it (for comparison).
+
+GatedLinear, a gated MLP's fused gate|up projection, runs the activation in the kernel's
+epilogue (`forward_act`) where the AVX-512 path covers the whole matrix: the [T, 2 I]
+gate|up product is never written and read back, and no separate activation call is made
+(same bits as the product followed by act_and_mul). PDSERVE_FUSED_GATED=0 turns it off.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.activation import act_and_mul
 from engine.layers.jit import load_kernel
 
 # Rows up to which the kernel is used with PDSERVE_CHUNK_GEMM=0: decode batches.
@@ -44,7 +50,9 @@ def small_linear_available() -> bool:
     """True when the kernel is built and this CPU runs it (cached per process)."""
     if os.environ.get("PDSERVE_SMALL_LINEAR", "1") == "0":
         return False
-    load_kernel("engine.layers.linear", "small_linear_cpu", ["small_linear.cpp", "amx_gemm.cpp"], _CFLAGS, headers=["include/amx_tiles.h", "include/amx_gemm.h", "include/bf16_vec.h"])
+    load_kernel("engine.layers.linear", "small_linear_cpu", ["small_linear.cpp", "amx_gemm.cpp"], _CFLAGS,
+                headers=["include/act_vec.h", "include/amx_tiles.h", "include/amx_gemm.h", "include/bf16_vec.h",
+                         "include/cephes_exp.h"])
     return bool(torch.ops.pdserve.small_linear_supported())
 
 
@@ -57,6 +65,27 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     Raises RuntimeError on other dtypes, layouts or shapes, or when unsupported here.
     """
     return torch.ops.pdserve.small_linear(x, weight, bias, packed)
+
+
+def pack_gated_weight(weight: torch.Tensor) -> torch.Tensor:
+    """pack_weight of a gate|up weight [2 I, K] with its rows interleaved in blocks of 32 (gate
+    32 p .., then up 32 p ..), the copy small_linear_gated reads (gated_usable(weight) only)."""
+    return torch.ops.pdserve.pack_gated_linear_weight(weight)
+
+
+def small_linear_gated(x: torch.Tensor, packed: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(x @ gate.T) * (x @ up.T) -> [M, I] bf16, with packed = pack_gated_weight(gate|up);
+    bitwise act_and_mul(small_linear(x, gate|up), gelu)."""
+    return torch.ops.pdserve.small_linear_gated(x, packed, x.shape[1], gelu)
+
+
+def gated_usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a gate|up weight [2 I, K] can take small_linear_gated here: bf16 contiguous on the
+    CPU, no bias, I a multiple of 32, the AVX-512 path for the whole shape (not AMX)."""
+    return (bias is None and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.is_contiguous() and os.environ.get("PDSERVE_FUSED_GATED", "1") != "0"
+            and small_linear_available()
+            and bool(torch.ops.pdserve.small_linear_gated_supported(weight.shape[0], weight.shape[1])))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -86,7 +115,7 @@ class Linear(nn.Linear):
     gemm_rows() rows to the kernel, with the weight's packed copy made once (prepare(), or the
     first such call) and remade if the weight is replaced or changed in place."""
 
-    _packed: tuple[tuple[int, int, tuple[int, ...]], torch.Tensor] | None = None
+    _packed: tuple[tuple, torch.Tensor] | None = None  # (packed_key(), the copy)
 
     def prepare(self) -> None:
         """Pack the weight now (model load) rather than on the first step that needs it."""
@@ -94,11 +123,18 @@ class Linear(nn.Linear):
         if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() and small_linear_available():
             self.packed_weight()
 
-    def packed_weight(self) -> torch.Tensor:
+    def packed_key(self) -> tuple:
+        """What the packed copy was made from: the weight's storage, version and shape."""
         w = self.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape))
+        return (w.data_ptr(), w._version, tuple(w.shape))
+
+    def _pack(self) -> torch.Tensor:
+        return pack_weight(self.weight)
+
+    def packed_weight(self) -> torch.Tensor:
+        key = self.packed_key()
         if self._packed is None or self._packed[0] != key:
-            self._packed = (key, pack_weight(w))
+            self._packed = (key, self._pack())
         return self._packed[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,3 +143,31 @@ class Linear(nn.Linear):
                 and x.shape[0] <= gemm_rows() and w.is_contiguous() and small_linear_available()):
             return small_linear(x.contiguous(), w, self.bias, self.packed_weight())
         return F.linear(x, w, self.bias)
+
+
+class GatedLinear(Linear):
+    """A gated MLP's fused gate|up projection ([2 I, K]: gate rows, then up rows). Where
+    gated_usable(), its packed copy is the gated layout and `forward_act` runs the activation in
+    the kernel; the plain product (`forward`, not on the model's path then) packs a copy per call."""
+
+    def gated(self) -> bool:
+        """The packed copy is pack_gated_weight's (forward_act runs fused)."""
+        return gated_usable(self.weight, self.bias)
+
+    def packed_key(self) -> tuple:
+        return (*super().packed_key(), self.gated())  # and which layout
+
+    def _pack(self) -> torch.Tensor:
+        return pack_gated_weight(self.weight) if self.gated() else pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if self.gated() and x.dim() == 2 and x.dtype == w.dtype and x.shape[0] <= gemm_rows():
+            return small_linear(x.contiguous(), w, self.bias, None)
+        return super().forward(x)
+
+    def forward_act(self, x: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """act_and_mul(self(x), gelu): [T, K] -> [T, I]; `gelu` picks gelu-tanh over silu."""
+        if self.gated() and x.dim() == 2 and x.dtype == self.weight.dtype and x.shape[0] <= gemm_rows():
+            return small_linear_gated(x.contiguous(), self.packed_weight(), gelu)
+        return act_and_mul(self(x), gelu)

@@ -14,9 +14,9 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.layers import norm, paged_attention_op
-from engine.layers.activation import act_and_mul, fused_act_available
+from engine.layers.activation import fused_act_available
 from engine.layers.attention import PagedAttention
-from engine.layers.linear import Linear, gemm_rows, small_linear_available
+from engine.layers.linear import GatedLinear, Linear, gemm_rows, small_linear_available
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, fused_rotary_available
 from engine.models.base import DecoderLM
@@ -55,12 +55,12 @@ class LlamaAttention(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, act: str) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
+        self.gate_up_proj = GatedLinear(hidden, 2 * inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
         self.gelu = act != "silu"  # config.py admits silu and gelu_pytorch_tanh only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.gelu))
+        return self.down_proj(self.gate_up_proj.forward_act(x, self.gelu))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -108,7 +108,7 @@ class LlamaDecodePlan:
                 a.o_proj.weight, a.o_proj.packed_weight(), layer.post_attention_layernorm.weight,
                 layer.post_attention_layernorm.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.packed_weight(),
                 mlp.down_proj.weight, mlp.down_proj.packed_weight(), mlp.gelu, a.attn.layer_id, a.attn.scale,
-                a.layer_type))
+                a.layer_type, mlp.gate_up_proj.gated()))
             for mod in (layer.input_layernorm, layer.post_attention_layernorm, a.qkv_proj, a.o_proj,
                         mlp.gate_up_proj, mlp.down_proj):
                 self.weights.append((mod._parameters, "weight", mod.weight, mod.weight._version))
@@ -150,6 +150,7 @@ class LlamaDecodePlan:
         ops = torch.ops.pdserve
         rms, linear, rotary = ops.rms_norm.default, ops.small_linear.default, ops.rotary.default
         attend, act = ops.paged_decode_attention.default, ops.act_and_mul.default
+        gated = ops.small_linear_gated.default
         x = model.embed(fb.input_ids)
         t = x.shape[0]
         fb.rope = {k: r.tables(fb.positions) for k, r in model.rotary.items()}
@@ -158,8 +159,9 @@ class LlamaDecodePlan:
         qk, hook = (h + kvh) * d, model.between_layers
         wp, wo, pages, ctx = fb.write_page, fb.write_off, fb.dec_pages, fb.dec_ctx
         residual = None
+        k = x.shape[1]
         for (in_w, in_eps, qkv_w, qkv_b, qkv_p, o_w, o_p, post_w, post_eps, gu_w, gu_p, down_w, down_p, gelu,
-             layer_id, scale, layer_type) in self.layers:
+             layer_id, scale, layer_type, fused) in self.layers:
             if residual is None:
                 n, residual = rms(x, None, in_w, in_eps, False)[0], x
             else:
@@ -172,7 +174,8 @@ class LlamaDecodePlan:
             cache[wp, 1, wo] = qkv[:, qk:].view(t, kvh, d)
             o = attend(rotated[:, :h].contiguous(), cache, pages, ctx, scale)
             n, residual = rms(linear(o.view(t, h * d), o_w, None, o_p), residual, post_w, post_eps, False)
-            x = linear(act(linear(n, gu_w, None, gu_p), gelu), down_w, None, down_p)
+            a = gated(n, gu_p, k, gelu) if fused else act(linear(n, gu_w, None, gu_p), gelu)
+            x = linear(a, down_w, None, down_p)
             if hook is not None:
                 hook()
         return model.norm.add_norm(x, residual)[0]

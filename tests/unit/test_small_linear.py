@@ -160,3 +160,53 @@ def test_gemm_bits_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(with_threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+# The gate|up projection with the activation in the kernel's epilogue (GatedLinear). Where AMX
+# runs these shapes the fused path is not used (gated_usable is False): those tests skip.
+needs_gated = pytest.mark.skipif(not linear.gated_usable(torch.zeros(64, 32, dtype=torch.bfloat16), None),
+                                 reason="the gated epilogue runs on the AVX-512 path only (not under AMX)")
+
+
+@needs_gated
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 64, 542])
+@pytest.mark.parametrize("i,k", [(1536, 576), (32, 64), (64, 33), (96, 640)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gated_equals_the_product_then_act_and_mul_bitwise(m, i, k, gelu):
+    from engine.layers.activation import act_and_mul
+    w = bf16(2 * i, k, seed=20) * 0.1
+    x = bf16(m, k, seed=21) * 3
+    want = act_and_mul(small_linear(x, w, None, linear.pack_weight(w)), gelu)
+    got = linear.small_linear_gated(x, linear.pack_gated_weight(w), gelu)
+    assert got.shape == (m, i) and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@needs_gated
+def test_gated_linear_fuses_and_keeps_the_plain_product(monkeypatch):
+    from engine.layers.activation import act_and_mul
+    lin = linear.GatedLinear(64, 2 * 96, bias=False).bfloat16()
+    with torch.no_grad():
+        lin.weight.copy_(bf16(2 * 96, 64, seed=22))
+    x = bf16(9, 64, seed=23)
+    assert lin.gated()
+    fused = lin.forward_act(x, False)
+    plain = lin(x)  # the product itself, though the packed copy is the gated layout
+    assert torch.equal(plain, small_linear(x, lin.weight))
+    assert torch.equal(fused, act_and_mul(plain, False))
+    with torch.no_grad():  # the packed copy follows the weight
+        lin.weight.mul_(2)
+    assert torch.equal(lin.forward_act(x, True), act_and_mul(small_linear(x, lin.weight), True))
+    monkeypatch.setenv("PDSERVE_FUSED_GATED", "0")
+    assert not lin.gated() and torch.equal(lin.forward_act(x, True), act_and_mul(lin(x), True))
+
+
+def test_gated_shapes_it_cannot_take_fall_back():
+    from engine.layers.activation import act_and_mul
+    lin = linear.GatedLinear(64, 2 * 40, bias=False).bfloat16()  # I = 40: not a multiple of 32
+    with torch.no_grad():
+        lin.weight.copy_(bf16(80, 64, seed=24))
+    x = bf16(5, 64, seed=25)
+    assert not lin.gated()
+    assert torch.equal(lin.forward_act(x, False), act_and_mul(small_linear(x, lin.weight), False))
+    with pytest.raises(RuntimeError, match="pack_gated_linear_weight"):
+        linear.pack_gated_weight(lin.weight)
