@@ -256,10 +256,49 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q, const at::Tensor& kv,
   return out;
 }
 
+// kv[pages[t], 0, offs[t]] = k[t] and kv[pages[t], 1, offs[t]] = v[t] for every token t of a
+// step: the two index_puts a layer makes, as one call of row copies (a [KVH, D] row block is
+// dense in the pool and in k/v). Validates every index before writing anything.
+void write_kv_cpu(const at::Tensor& kv, const at::Tensor& pages, const at::Tensor& offs, const at::Tensor& k,
+                  const at::Tensor& v) {
+  TORCH_CHECK(kv.dim() == 5 && k.dim() == 3 && v.dim() == 3, "write_kv: kv [P, 2, S, KVH, D], k/v [T, KVH, D]");
+  const int64_t P = kv.size(0), S = kv.size(2), KVH = kv.size(3), D = kv.size(4), T = k.size(0);
+  TORCH_CHECK(kv.size(1) == 2 && k.sizes() == v.sizes() && k.size(1) == KVH && k.size(2) == D,
+              "write_kv: shapes kv ", kv.sizes(), " k ", k.sizes(), " v ", v.sizes());
+  TORCH_CHECK(k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type(),
+              "write_kv: k and v must have kv's dtype");
+  for (const at::Tensor* t : {&kv, &k, &v})
+    TORCH_CHECK(t->stride(-1) == 1 && t->stride(-2) == D, "write_kv: each token's [KVH, D] rows must be dense");
+  TORCH_CHECK(pages.dim() == 1 && offs.dim() == 1 && pages.size(0) == T && offs.size(0) == T &&
+                  pages.scalar_type() == at::kLong && offs.scalar_type() == at::kLong,
+              "write_kv: pages and offs must be int64 [T]");
+  const at::Tensor pc = pages.contiguous(), oc = offs.contiguous();
+  const int64_t* pp = pc.const_data_ptr<int64_t>();
+  const int64_t* op = oc.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < P && op[t] >= 0 && op[t] < S, "write_kv: token ", t, " goes to page ", pp[t],
+                " offset ", op[t], ", outside a pool of ", P, " pages of ", S);
+  const int64_t es = static_cast<int64_t>(kv.element_size()), row = KVH * D * es;
+  char* base = static_cast<char*>(kv.data_ptr());
+  const char* ks = static_cast<const char*>(k.const_data_ptr());
+  const char* vs = static_cast<const char*>(v.const_data_ptr());
+  const int64_t s0 = kv.stride(0) * es, s1 = kv.stride(1) * es, s2 = kv.stride(2) * es;
+  const int64_t kt = k.stride(0) * es, vt = v.stride(0) * es;
+  // Small steps (decode) on the calling thread: waking a worker costs more than the copy.
+  at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      char* dst = base + pp[t] * s0 + op[t] * s2;
+      std::memcpy(dst, ks + t * kt, row);
+      std::memcpy(dst + s1, vs + t * vt, row);
+    }
+  });
+}
+
 }  // namespace
 }  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("write_kv(Tensor(a!) kv, Tensor pages, Tensor offs, Tensor k, Tensor v) -> ()");
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv, Tensor page_table, Tensor ctx_lens, "
       "float scale) -> Tensor");
@@ -270,4 +309,5 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("paged_decode_attention", &pdserve::paged_decode_attention_cpu);
+  m.impl("write_kv", &pdserve::write_kv_cpu);
 }

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
-from engine.layers.paged_attention_op import paged_decode_attention
+from engine.layers.paged_attention_op import paged_decode_attention, write_kv
 from engine.layers.prefill_attention_op import prefill_attention
 from engine.layers.prefill_attention_op import usable as prefill_kernel_usable
 
@@ -46,13 +46,14 @@ class PagedAttention(torch.nn.Module):
             return self._sliding(q, k, v, fb, pool)
         li = pool.layer_index[self.layer_id]
         layer = pool.full[:, li]  # [P, 2, page_size, KVH, D] view
-        layer[fb.write_page, 0, fb.write_off] = k
-        layer[fb.write_page, 1, fb.write_off] = v
-        out = torch.empty_like(q)
+        write_kv(layer, fb.write_page, fb.write_off, k, v)
         b = fb.num_decode
+        fused = bool(fb.prefills) and prefill_kernel_usable(q)
+        # A step that is one prefill chunk and nothing else returns the kernel's output as it is.
+        alone = fused and not b and len(fb.prefills) == 1 and fb.prefills[0].length == q.shape[0]
+        out = None if alone else torch.empty_like(q)
         if b:  # one query per sequence: the C++ kernel reads the pages in place
             out[:b] = paged_decode_attention(q[:b].contiguous(), layer, fb.dec_pages, fb.dec_ctx, self.scale)
-        fused = bool(fb.prefills) and prefill_kernel_usable(q)
         for p in fb.prefills:
             s, n = p.start, p.length
             if not p.has_context:  # the step's own K/V are the whole context: [n, KVH, D]
@@ -60,7 +61,10 @@ class PagedAttention(torch.nn.Module):
             else:  # gathered from the pages: [ctx, KVH, D]
                 kk, vv = (layer[p.pages, i].flatten(0, 1)[:p.ctx] for i in (0, 1))
             if fused:  # the kernel: causal from the chunk's offset in its context, no mask
-                out[s:s + n] = prefill_attention(q[s:s + n], kk, vv, self.scale)
+                o = prefill_attention(q[s:s + n], kk, vv, self.scale)
+                if alone:
+                    return o
+                out[s:s + n] = o
                 continue
             mask = p.full_mask(q.dtype, q.device) if p.has_context else None
             o = _sdpa(q[s:s + n].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), mask, self.scale,

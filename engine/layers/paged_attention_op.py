@@ -55,6 +55,21 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, page_table: torch.
     return torch.ops.pdserve.paged_decode_attention(q, kv, page_table, ctx_lens, scale)
 
 
+def write_kv(kv: torch.Tensor, pages: torch.Tensor, offs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """kv[pages, 0, offs] = k and kv[pages, 1, offs] = v: one step's K/V [T, KVH, D] into a
+    layer's pages ([num_pages, 2, page_size, KVH, D], as paged_decode_attention reads them).
+    On the CPU one call of row copies (csrc/paged_attention.cpp; a decode step's two index_puts
+    cost ~4x that), else the index_puts. Raises on an index outside the pool before writing."""
+    if (kv.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu" and kv.dim() == 5
+            and pages.dtype == offs.dtype == torch.long and k.dtype == v.dtype == kv.dtype
+            and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (kv, k, v))):
+        _load_ops()
+        torch.ops.pdserve.write_kv(kv, pages, offs, k, v)
+        return
+    kv[pages, 0, offs] = k
+    kv[pages, 1, offs] = v
+
+
 def set_split_threads(n: int) -> None:
     """Plan split-K for `n` threads whatever torch's thread count (0: follow it), so that a
     sequence's result does not change when a step runs on borrowed threads."""

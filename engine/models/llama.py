@@ -150,7 +150,7 @@ class LlamaDecodePlan:
         ops = torch.ops.pdserve
         rms, linear, rotary = ops.rms_norm.default, ops.small_linear.default, ops.rotary.default
         attend, act = ops.paged_decode_attention.default, ops.act_and_mul.default
-        gated = ops.small_linear_gated.default
+        gated, write = ops.small_linear_gated.default, ops.write_kv.default
         x = model.embed(fb.input_ids)
         t = x.shape[0]
         fb.rope = {k: r.tables(fb.positions) for k, r in model.rotary.items()}
@@ -170,8 +170,7 @@ class LlamaDecodePlan:
             cos, sin = tables[layer_type]
             rotated = rotary(qkv[:, :qk].view(t, h + kvh, d), cos, sin)
             cache = pool.full[:, pool.layer_index[layer_id]]
-            cache[wp, 0, wo] = rotated[:, h:]
-            cache[wp, 1, wo] = qkv[:, qk:].view(t, kvh, d)
+            write(cache, wp, wo, rotated[:, h:], qkv[:, qk:].view(t, kvh, d))
             o = attend(rotated[:, :h].contiguous(), cache, pages, ctx, scale)
             n, residual = rms(linear(o.view(t, h * d), o_w, None, o_p), residual, post_w, post_eps, False)
             a = gated(n, gu_p, k, gelu) if fused else act(linear(n, gu_w, None, gu_p), gelu)

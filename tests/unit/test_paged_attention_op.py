@@ -168,3 +168,30 @@ def test_bf16_dot_products_and_fp32_products_both_match_the_reference(head_dim, 
     finally:
         ops.set_decode_bf16_dots(True)
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 300, 700])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_kv_equals_the_index_puts(tokens, dtype):
+    from engine.layers.paged_attention_op import write_kv
+    g = torch.Generator().manual_seed(tokens)
+    pool = torch.randn(64, 3, 2, 16, 3, 64, generator=g).to(dtype)  # [pages, layers, 2, ps, KVH, D]
+    want = pool.clone()
+    slots = torch.randperm(64 * 16, generator=g)[:tokens]
+    pages, offs = slots // 16, slots % 16
+    qkv = torch.randn(tokens, 15 * 64, generator=g).to(dtype)  # k and v are strided views, as in a layer
+    k, v = qkv[:, 9 * 64:12 * 64].view(tokens, 3, 64), qkv[:, 12 * 64:].view(tokens, 3, 64)
+    write_kv(pool[:, 1], pages, offs, k, v)
+    want[:, 1][pages, 0, offs] = k
+    want[:, 1][pages, 1, offs] = v
+    assert torch.equal(pool, want)
+
+
+def test_write_kv_rejects_an_index_outside_the_pool_before_writing():
+    from engine.layers.paged_attention_op import write_kv
+    pool = torch.zeros(4, 2, 16, 2, 32, dtype=torch.bfloat16)
+    k = torch.ones(3, 2, 32, dtype=torch.bfloat16)
+    for pages, offs in (([0, 1, 4], [0, 0, 0]), ([0, 1, 2], [0, 16, 0]), ([0, -1, 2], [0, 0, 0])):
+        with pytest.raises(RuntimeError, match="outside a pool"):
+            write_kv(pool, torch.tensor(pages), torch.tensor(offs), k, k)
+        assert not pool.any()
