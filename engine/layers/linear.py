@@ -84,8 +84,12 @@ def gated_usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     CPU, no bias, I a multiple of 32, the AVX-512 path for the whole shape (not AMX)."""
     return (bias is None and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and weight.is_contiguous() and os.environ.get("PDSERVE_FUSED_GATED", "1") != "0"
-            and small_linear_available()
-            and bool(torch.ops.pdserve.small_linear_gated_supported(weight.shape[0], weight.shape[1])))
+            and _gated_shape(weight.shape[0], weight.shape[1]))
+
+
+@functools.cache
+def _gated_shape(n: int, k: int) -> bool:
+    return small_linear_available() and bool(torch.ops.pdserve.small_linear_gated_supported(n, k))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
