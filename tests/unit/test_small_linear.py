@@ -210,3 +210,17 @@ def test_gated_shapes_it_cannot_take_fall_back():
     assert torch.equal(lin.forward_act(x, False), act_and_mul(small_linear(x, lin.weight), False))
     with pytest.raises(RuntimeError, match="pack_gated_linear_weight"):
         linear.pack_gated_weight(lin.weight)
+
+
+@needs_gated
+def test_gated_bits_do_not_depend_on_the_thread_count():
+    w, x = bf16(2 * 1536, 576, seed=26) * 0.1, bf16(300, 576, seed=27)
+    packed = linear.pack_gated_weight(w)
+    with_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear.small_linear_gated(x, packed, False)
+        torch.set_num_threads(max(2, with_threads))
+        assert torch.equal(linear.small_linear_gated(x, packed, False), one)
+    finally:
+        torch.set_num_threads(with_threads)
