@@ -17,10 +17,12 @@ is self-describing, so it can be exported, stored and imported elsewhere.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from engine import hugepages
 from engine.config import ModelConfig
 
 
@@ -51,10 +53,12 @@ class KVPool:
         self.swa_layers = model.swa_layers
         self.window = model.sliding_window or 0
         kvh, hd = model.num_kv_heads, model.head_dim
-        self.full = torch.zeros(num_pages, len(self.full_layers), 2, page_size, kvh, hd, dtype=dtype, device=device)
+        # On the CPU in huge pages where the kernel gives them (engine/hugepages.py): a decode step
+        # reads its sequences' pages scattered over the pool.
+        zeros = hugepages.zeros if torch.device(device).type == "cpu" else functools.partial(torch.zeros, device=device)
+        self.full = zeros((num_pages, len(self.full_layers), 2, page_size, kvh, hd), dtype=dtype)
         self.num_slots = num_slots if self.swa_layers else 0
-        self.swa = torch.zeros(self.num_slots, len(self.swa_layers), 2, self.window, kvh, hd,
-                               dtype=dtype, device=device)
+        self.swa = zeros((self.num_slots, len(self.swa_layers), 2, self.window, kvh, hd), dtype=dtype)
         # Index of a model layer inside `full` or `swa` (dim 1).
         self.layer_index = {l: i for i, l in enumerate(self.full_layers)}
         self.layer_index.update({l: i for i, l in enumerate(self.swa_layers)})

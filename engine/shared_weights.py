@@ -17,11 +17,13 @@ sees half a file), the others map that file. Before a rank swaps its tensors for
 mapping it compares them byte for byte with its own: a file that differs in any byte (another
 build of the kernels' layout, another checkpoint) is not used and the rank keeps its private copy.
 The mapping is read-only (PROT_READ): a write to a weight faults instead of changing the peers'
-weights. Where the file cannot be written (tmpfs full) or opened the rank keeps its private copy
-and logs why.
+weights. It is mapped at a 2 MB-aligned address and collapsed to huge pages where the kernel
+does that (engine/hugepages.py: a decode step streams all of it). Where the file cannot be
+written (tmpfs full) or opened the rank keeps its private copy and logs why.
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import json
@@ -35,6 +37,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from engine import hugepages
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class SharedWeights:
     created: bool  # this process wrote the file
     address: int  # where the mapping starts in this process
     inode: int  # of the file mapped
-    mm: mmap.mmap
+    mm: mmap.mmap | ctypes.Array  # the mapping (engine/hugepages.py's where it could be made)
 
     def holds(self, t: torch.Tensor) -> bool:
         """`t`'s bytes lie inside the mapping."""
@@ -102,7 +106,7 @@ def _write(path: Path, tensors: list[tuple[str, torch.Tensor]], offsets: list[in
         return False
 
 
-def _map(path: Path, tensors, offsets: list[int], size: int) -> tuple[mmap.mmap | None, int, bool]:
+def _map(path: Path, tensors, offsets: list[int], size: int) -> tuple[mmap.mmap | ctypes.Array | None, int, bool]:
     """(read-only mapping of the file, its inode, whether this process wrote it), written first
     where it does not exist; (None, 0, False) where it cannot be written or has another size."""
     # One writer: ranks that start together would otherwise each write (and map) a file of their own.
@@ -122,7 +126,11 @@ def _map(path: Path, tensors, offsets: list[int], size: int) -> tuple[mmap.mmap 
         if st.st_size != size:
             log.warning("shared weights: %s has %d bytes, expected %d; keeping this rank's copy", path, st.st_size, size)
             return None, 0, False
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), st.st_ino, created
+        # 2 MB-aligned and collapsed to huge pages where the kernel does it (engine/hugepages.py)
+        mm = hugepages.map_readonly(fd, size)
+        if mm is None:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        return mm, st.st_ino, created
     finally:
         os.close(fd)
 
@@ -154,7 +162,8 @@ def share_weights(model: nn.Module, directory: str | Path, identity: str) -> Sha
             log.warning("shared weights: %s differs from this rank's %s; keeping this rank's copy", path, name)
             del base, v, views
             try:
-                mm.close()
+                if isinstance(mm, mmap.mmap):
+                    mm.close()  # (hugepages' mapping is unmapped when its last view goes)
             except BufferError:  # a view is still alive somewhere: the GC unmaps it later
                 pass
             return None
@@ -169,7 +178,6 @@ def share_weights(model: nn.Module, directory: str | Path, identity: str) -> Sha
 def _release_freed_memory() -> None:
     """Hand the private copies' pages back to the system: glibc keeps freed blocks below its
     (load-raised) mmap threshold in the heap, ~200 MB of SmolLM2's 513 MB here."""
-    import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")

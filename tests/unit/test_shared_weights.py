@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from engine import hugepages
 from engine.config import EngineConfig
 from engine.layers.linear import Linear
 from engine.llm_engine import LLMEngine
@@ -57,6 +58,8 @@ def test_ranks_map_one_copy_and_decode_what_a_private_copy_decodes(tiny_model_di
         # no temporary file left: the weights and the writers' lock
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([a.path.name, a.path.with_suffix(".lock").name])
         assert a.inode == b.inode
+        if hugepages.enabled():  # mapped where huge pages can back it (engine/hugepages.py)
+            assert a.address % hugepages.HUGE == 0 and b.address % hugepages.HUGE == 0
         for eng, sw in ((first, a), (second, b)):
             model = eng.runner.model
             assert all(sw.holds(p) for p in model.parameters())

@@ -1,0 +1,149 @@
+"""engine/hugepages.py: the KV pool's and the shared weights' memory on 2 MB pages. The buffers
+hold what torch.zeros / a plain mapping would, live exactly as long as their last view, a
+read-only mapping faults on a write, and where the kernel gives huge pages they get them."""
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import hugepages
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+needs_thp = pytest.mark.skipif(not (hugepages.enabled() and _THP.exists() and "[never]" not in _THP.read_text()),
+                               reason="no transparent huge pages here")
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    try:
+        return tuple(int(x) for x in platform.release().split(".")[:2]) >= (major, minor)
+    except ValueError:
+        return False
+
+
+def _mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+def test_zeros_is_torch_zeros_and_lives_as_long_as_its_last_view():
+    shape = (16, 7, 3, 2, 16, 3, 64)  # a KV pool's shape, 3.9 MB in bf16
+    t = hugepages.zeros(shape, torch.bfloat16)
+    assert t.shape == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert torch.equal(t, torch.zeros(shape, dtype=torch.bfloat16))
+    t[1, 2] = 1.5
+    assert t[1, 2].eq(1.5).all() and t.sum().item() == 1.5 * t[1, 2].numel()
+    addr = t.data_ptr()
+    view = t[5]
+    del t
+    gc.collect()
+    assert _mapped(addr)
+    view.fill_(2.0)  # still writable memory
+    del view
+    gc.collect()
+    if hugepages.enabled():
+        assert not _mapped(addr)  # unmapped with the last view
+
+
+def test_small_or_disabled_buffers_are_the_plain_ones(monkeypatch, tmp_path):
+    small = hugepages.zeros((10, 4), torch.float32)
+    assert torch.equal(small, torch.zeros(10, 4)) and hugepages.huge_bytes(small) == 0
+    monkeypatch.setenv("PDSERVE_HUGEPAGES", "0")
+    assert not hugepages.enabled()
+    t = hugepages.zeros((4 << 20,), torch.uint8)
+    assert torch.equal(t, torch.zeros(4 << 20, dtype=torch.uint8)) and hugepages.huge_bytes(t) == 0
+    f = tmp_path / "w.bin"
+    f.write_bytes(bytes(4 << 20))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        assert hugepages.map_readonly(fd, 4 << 20) is None  # the caller maps it as usual
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hugepages.enabled(), reason="no libc mmap here")
+def test_map_readonly_reads_the_file_and_unmaps_with_its_last_view(tmp_path):
+    data = torch.randint(0, 256, ((5 << 20) + 123,), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    f = tmp_path / "w.bin"
+    f.write_bytes(data.numpy().tobytes())
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        m = hugepages.map_readonly(fd, data.numel())
+    finally:
+        os.close(fd)
+    w = torch.frombuffer(m, dtype=torch.uint8)
+    assert w.data_ptr() % hugepages.HUGE == 0
+    assert torch.equal(w, data)
+    addr = w.data_ptr()
+    view = w[100:]
+    del m, w
+    gc.collect()
+    assert _mapped(addr) and int(view[-1]) == int(data[-1])
+    del view
+    gc.collect()
+    assert not _mapped(addr)
+
+
+@pytest.mark.skipif(not hugepages.enabled(), reason="no libc mmap here")
+def test_a_write_through_map_readonly_faults(tmp_path):
+    f = tmp_path / "w.bin"
+    f.write_bytes(bytes(3 << 20))
+    code = ("import os, sys, torch\nfrom engine import hugepages\n"
+            f"fd = os.open({str(f)!r}, os.O_RDONLY)\nw = torch.frombuffer(hugepages.map_readonly(fd, 3 << 20), dtype=torch.uint8)\n"
+            "print(int(w.sum()), flush=True)\nw[5] = 1\nprint('wrote', flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == -signal.SIGSEGV, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.split() == ["0"]  # read it, and the write never happened
+    assert f.read_bytes() == bytes(3 << 20)
+
+
+@needs_thp
+def test_anonymous_buffers_get_huge_pages():
+    t = hugepages.zeros((16 << 20,), torch.uint8)
+    assert hugepages.huge_bytes(t) >= 8 << 20  # most of it (the kernel may lack a few free huge pages)
+
+
+@needs_thp
+@pytest.mark.skipif(not Path("/dev/shm").is_dir() or not _kernel_at_least(6, 1)
+                    or (_SHMEM.exists() and "[deny]" in _SHMEM.read_text()),
+                    reason="no tmpfs, or a kernel without MADV_COLLAPSE for it")
+def test_a_tmpfs_file_is_mapped_on_huge_pages():
+    f = Path("/dev/shm") / f"pdserve-hugepages-test-{os.getpid()}"
+    try:
+        f.write_bytes(bytes(range(256)) * (32 << 12))  # 8 MB
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            w = torch.frombuffer(hugepages.map_readonly(fd, 8 << 20), dtype=torch.uint8)
+        finally:
+            os.close(fd)
+        assert hugepages.huge_bytes(w) >= 4 << 20
+        assert int(w[257]) == 1 and int(w[-1]) == 255
+    finally:
+        f.unlink(missing_ok=True)
+
+
+@needs_thp
+def test_the_engines_kv_pool_is_on_huge_pages(tiny_model_dir):
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama_tied_linear")), num_threads=1, kv_cache_gb=0.05,
+                                 max_num_batched_tokens=256))
+    try:
+        full = eng.runner.pool.full
+        assert full.numel() * full.element_size() >= 16 << 20
+        assert hugepages.huge_bytes(full) >= 8 << 20
+    finally:
+        eng.close()
