@@ -9,6 +9,7 @@ file that is already written, which it rebuilds in huge pages even where tmpfs h
 off (shmem_enabled "never"; not "deny").
 
     zeros(shape, dtype)   a zeroed CPU tensor on huge pages (the KV pool), faulted in now
+    copy(t)               t's copy on huge pages (a rank's private packed weights)
     map_readonly(fd, n)   a read-only shared mapping of a file's first n bytes, 2 MB-aligned
                           and collapsed (the shared weights); None where it cannot be made
 
@@ -108,6 +109,14 @@ def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     t = torch.frombuffer(_wrap(a, nbytes, size), dtype=dtype, count=numel).view(shape)
     t.zero_()  # fault every page in now (a fresh anonymous mapping reads as zeros anyway)
     return t
+
+
+def copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of CPU tensor `t` on huge pages (zeros()'s memory), or `t` itself where
+    it would get none (small, or turned off)."""
+    if t.numel() * t.element_size() < HUGE or not enabled():
+        return t
+    return zeros(tuple(t.shape), t.dtype).copy_(t)
 
 
 def map_readonly(fd: int, nbytes: int) -> ctypes.Array | None:

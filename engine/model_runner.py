@@ -47,6 +47,8 @@ class ModelRunner:
         if cfg.shared_weights_dir and self.device.type == "cpu":
             from engine.shared_weights import share_weights
             self.shared_weights = share_weights(self.model, cfg.shared_weights_dir, f"{model_dir}|{cfg.dtype}")
+        if self.shared_weights is None and self.device.type == "cpu":
+            _packed_to_huge_pages(self.model)
         log.info("loaded %s (%s, %s) in %.1fs", model_dir, cfg.dtype, cfg.device, time.perf_counter() - t0)
         self.pool = KVPool(self.model_cfg, cfg.page_size, num_pages, cfg.max_num_seqs, cfg.torch_dtype, self.device)
         self.sampler = Sampler()
@@ -81,3 +83,16 @@ class ModelRunner:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
                 if ids:
                     logits[i, ids] = float("-inf")
+
+
+def _packed_to_huge_pages(model) -> None:
+    """Move the linear kernel's packed weight copies (what a decode step streams) to huge pages
+    (engine/hugepages.py); the shared weights' mapping has them already."""
+    from engine import hugepages
+    from engine.layers.linear import Linear
+    from engine.shared_weights import release_freed_memory
+
+    for m in model.modules():
+        if isinstance(m, Linear) and m._packed is not None:
+            m._packed = (m._packed[0], hugepages.copy(m._packed[1]))
+    release_freed_memory()  # the 4 KB copies' heap pages

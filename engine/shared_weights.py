@@ -170,12 +170,12 @@ def share_weights(model: nn.Module, directory: str | Path, identity: str) -> Sha
         views.append(v.view(t.dtype).view(t.shape))
     _swap(model, tensors, views)
     del tensors, views
-    _release_freed_memory()
+    release_freed_memory()
     log.info("shared weights: %s %s (%.0f MB)", "wrote and mapped" if created else "mapped", path, size / 2**20)
     return SharedWeights(path, size, created, base.data_ptr(), inode, mm)
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the private copies' pages back to the system: glibc keeps freed blocks below its
     (load-raised) mmap threshold in the heap, ~200 MB of SmolLM2's 513 MB here."""
     import ctypes.util

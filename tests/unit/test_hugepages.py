@@ -118,6 +118,16 @@ def test_anonymous_buffers_get_huge_pages():
     assert hugepages.huge_bytes(t) >= 8 << 20  # most of it (the kernel may lack a few free huge pages)
 
 
+def test_copy_holds_the_same_values_on_huge_pages():
+    w = torch.randn(3072, 576, generator=torch.Generator().manual_seed(1)).bfloat16()  # 3.4 MB
+    c = hugepages.copy(w)
+    assert torch.equal(c, w) and c.dtype == w.dtype and c.is_contiguous()
+    if hugepages.enabled():
+        assert c.data_ptr() != w.data_ptr() and c.data_ptr() % hugepages.HUGE == 0
+    small = torch.ones(100)
+    assert hugepages.copy(small) is small  # under 2 MB: nothing to gain
+
+
 @needs_thp
 @pytest.mark.skipif(not Path("/dev/shm").is_dir() or not _kernel_at_least(6, 1)
                     or (_SHMEM.exists() and "[deny]" in _SHMEM.read_text()),
