@@ -9,7 +9,7 @@ file that is already written, which it rebuilds in huge pages even where tmpfs h
 off (shmem_enabled "never"; not "deny").
 
     zeros(shape, dtype)   a zeroed CPU tensor on huge pages (the KV pool), faulted in now
-    copy(t)               t's copy on huge pages (a rank's private packed weights)
+    copy_all(ts)          copies of tensors in one buffer on huge pages (private packed weights)
     map_readonly(fd, n)   a read-only shared mapping of a file's first n bytes, 2 MB-aligned
                           and collapsed (the shared weights); None where it cannot be made
 
@@ -111,12 +111,22 @@ def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of CPU tensor `t` on huge pages (zeros()'s memory), or `t` itself where
-    it would get none (small, or turned off)."""
-    if t.numel() * t.element_size() < HUGE or not enabled():
-        return t
-    return zeros(tuple(t.shape), t.dtype).copy_(t)
+def copy_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of CPU tensors, side by side (each on a 4 KB boundary) in one buffer on
+    huge pages (zeros()'s memory): layers' weights of 1-2 MB each would waste most of a 2 MB page
+    apiece. The tensors themselves where that would gain nothing (under 2 MB in all, or off)."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(pos)
+        pos += -(-n // 4096) * 4096
+    if pos < HUGE or not enabled():
+        return list(tensors)
+    buf = zeros((pos,), torch.uint8)
+    out = []
+    for t, off, n in zip(tensors, offsets, sizes):
+        out.append(buf[off:off + n].view(t.dtype).view(t.shape).copy_(t))
+    return out
 
 
 def map_readonly(fd: int, nbytes: int) -> ctypes.Array | None:

@@ -92,7 +92,7 @@ def _packed_to_huge_pages(model) -> None:
     from engine.layers.linear import Linear
     from engine.shared_weights import release_freed_memory
 
-    for m in model.modules():
-        if isinstance(m, Linear) and m._packed is not None:
-            m._packed = (m._packed[0], hugepages.copy(m._packed[1]))
+    mods = [m for m in model.modules() if isinstance(m, Linear) and m._packed is not None]
+    for m, t in zip(mods, hugepages.copy_all([m._packed[1] for m in mods])):
+        m._packed = (m._packed[0], t)
     release_freed_memory()  # the 4 KB copies' heap pages

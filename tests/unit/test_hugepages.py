@@ -118,14 +118,17 @@ def test_anonymous_buffers_get_huge_pages():
     assert hugepages.huge_bytes(t) >= 8 << 20  # most of it (the kernel may lack a few free huge pages)
 
 
-def test_copy_holds_the_same_values_on_huge_pages():
-    w = torch.randn(3072, 576, generator=torch.Generator().manual_seed(1)).bfloat16()  # 3.4 MB
-    c = hugepages.copy(w)
-    assert torch.equal(c, w) and c.dtype == w.dtype and c.is_contiguous()
+def test_copy_all_holds_the_same_values_side_by_side_on_huge_pages():
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(960, 576, generator=g).bfloat16(), torch.randn(7, 3, generator=g),  # 1.1 MB, 84 B
+          torch.randn(3072, 576, generator=g).bfloat16()[:, :300].contiguous()]  # 1.8 MB: 2.9 MB in all
+    cs = hugepages.copy_all(ws)
+    assert all(torch.equal(c, w) and c.dtype == w.dtype and c.is_contiguous() for c, w in zip(cs, ws))
     if hugepages.enabled():
-        assert c.data_ptr() != w.data_ptr() and c.data_ptr() % hugepages.HUGE == 0
-    small = torch.ones(100)
-    assert hugepages.copy(small) is small  # under 2 MB: nothing to gain
+        assert cs[0].data_ptr() % hugepages.HUGE == 0  # one buffer, each copy on its own 4 KB
+        assert [c.data_ptr() - cs[0].data_ptr() for c in cs] == [0, 1105920, 1110016]
+    small = [torch.ones(100)]
+    assert hugepages.copy_all(small)[0] is small[0]  # under 2 MB in all: nothing to gain
 
 
 @needs_thp
