@@ -19,10 +19,11 @@ mmap, a madvise refused) zeros() is torch.zeros and the kernel's 4 KB pages are 
 buffers get; PDSERVE_HUGEPAGES=0 turns it off. `huge_bytes(t)` says how much of a tensor's
 range the kernel maps with huge pages (from /proc/self/smaps), for tests and logs.
 
-Measured on this 2-core Zen 4 VM (4-row decode step at ~600 tokens, one thread, the same
-process switching its packed weights and KV pool between 4 KB and huge pages, 10 pairs of 25
-steps): 19.96 -> 19.85 ms median, paired difference 0.59 ms a step (3%); the decode attention
-alone over 30 layers 4.76 -> 4.60 ms, the linear layers ~0.3 ms a step.
+Measured on this 2-core Zen 4 VM, one process switching its packed weights and KV pool between
+4 KB and huge pages in place (4 sequences at ~600 tokens, 10 pairs of 25 steps): a 4-row decode
+step on one thread 18.06 -> 17.16 ms (median; every pair faster); the decode attention alone
+over 30 layers 4.76 -> 4.60 ms. A 542-token prefill on two threads, compute-bound, did not
+change (362.3 / 362.7 ms).
 """
 from __future__ import annotations
 
