@@ -15,15 +15,14 @@
 // Two paths, chosen per weight matrix (never per batch):
 //  * AMX (when compiled in, K % 32 == 0, and the kernel grants AMX state): 16 W
 //    rows are one A tile exactly as they lie in memory; x is packed once per call
-//    into the VNNI B tile layout (16 columns of x rows, zero-padded); one
-//    TDPBF16PS per 32 k. Rows past the last full 16 take the AVX-512 path.
+//    into the VNNI B tile layout; one TDPBF16PS per 32 k (csrc/amx_rows.cpp; above
+//    kGemmRows rows the GEMM of csrc/amx_gemm.cpp). Rows past the last full 16 take the
+//    AVX-512 path.
 //  * AVX512-BF16 on w packed once per weight (pack_linear_weight; the Linear layer keeps
-//    the copy): panels of 64 output columns with k in pairs, wp[p][q][c][j] =
-//    w[64 p + c][2 q + j]. Per k pair, x's pair is broadcast against four zmm of the
-//    panel (vdpbf16ps), 6 x rows x 4 zmm (24 accumulators) per block, 1-3 rows over
-//    2-4 panels at once; no horizontal sums, one sequential read stream per panel.
-//    x in slices that stay in L2; threads split the panels (and the slices, for few
-//    panels). It also runs prefill chunks on CPUs without AMX.
+//    the copy; csrc/packed_linear.cpp): panels of 64 output columns with k in pairs,
+//    x's pairs broadcast against four zmm of a panel (vdpbf16ps), 6 x rows x 4 zmm per
+//    block; no horizontal sums, one sequential read stream per panel. It also runs
+//    prefill chunks on CPUs without AMX.
 //    One thread on AMD Zen 4, SmolLM2's 30 layers: ~220 GFLOP/s from 16 rows on
 //    (1.1-1.6x oneDNN at 16-1024 rows; 1.3-1.4x the dot-product kernel it
 //    replaced, which paid a horizontal sum per output); 1-row decode with the
@@ -48,35 +47,22 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "act_vec.h"
 #include "amx_gemm.h"
 #include "amx_tiles.h"
-#include "bf16_vec.h"
+#include "packed_linear.h"
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstring>
-#include <vector>
-
-#ifndef _OPENMP
-#error "compile with -fopenmp: without it at::parallel_for runs on one thread"
-#endif
 
 namespace pdserve {
 namespace {
 
-constexpr int64_t kPanel = 64;  // output columns per packed panel (four zmm of 16 fp32)
-constexpr int kPanelVecs = 4;
-constexpr int kMaxMR = 6;  // x rows per block (6 x 4 zmm = 24 accumulators)
-constexpr int kGroup = 4;  // panels per group: each row block of an x slice runs over a group in turn
-constexpr int64_t kGrainBytes = 64 * 1024;  // packed W bytes per parallel work chunk, at least
-constexpr int64_t kSliceBytes = 192 * 1024;  // x bytes per pass over a chunk's panels, at most
-constexpr int64_t kFewPanels = 8;  // panels per thread below which threads split x's rows too
+using linear::kGatedGelu;
+using linear::kGatedSilu;
+using linear::kPanel;
+#if defined(__AVX512BF16__)
+using linear::pack;
+using linear::run_packed;
+#endif
 // Above this many x rows the AMX GEMM (csrc/amx_gemm.cpp: w packed per block, reused
 // by every row) replaces the streaming path for matrices up to kGemmMaxWeights; both give
 // every row the same bits. Same-process alternation (1 thread): the streaming path is
@@ -84,300 +70,6 @@ constexpr int64_t kFewPanels = 8;  // panels per thread below which threads spli
 // for a 49,152 x 576 vocabulary head; the GEMM from 128-256 rows on for the layer shapes.
 constexpr int64_t kGemmRows = 128;
 constexpr int64_t kGemmMaxWeights = 8 << 20;
-
-#if defined(__AVX512BF16__)
-
-// out[m][col + c] for m < MR and the NP panels' columns c (cut to [c0, c1)):
-//   sum over pairs q = 0, 1, ..., K2 - 1 of x[m][2q] w[col + c][2q] + x[m][2q + 1] w[col + c][2q + 1]
-// in one fp32 lane per output (vdpbf16ps: x's pair broadcast against a panel row of 16
-// columns x 2), plus the bias, rounded once. wp: the first panel; later ones pstride further.
-// Epilogues: what a block does with its fp32 sums.
-enum Epi : int {
-  kPlain = 0,     // out[m][col + c] = round(sum + bias)
-  kGatedSilu = 1,  // gated (pack_gated): a panel's first 32 columns are gate, the last 32 up;
-  kGatedGelu = 2,  //   out[m][col / 2 + j] = round(round(act(round(gate_j))) * round(up_j))
-};
-
-template <int MR, int NP, int E>
-void packed_block(const uint16_t* x, int64_t ldx, const c10::BFloat16* wp, int64_t pstride, int64_t K2,
-                  const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, int64_t col, int64_t c0, int64_t c1) {
-  constexpr int NV = NP * kPanelVecs;
-  __m512 acc[MR][NV];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t q = 0; q < K2; ++q) {
-    __m512bh wv[NV];
-    for (int p = 0; p < NP; ++p)
-      for (int v = 0; v < kPanelVecs; ++v)
-        wv[p * kPanelVecs + v] = (__m512bh)_mm512_loadu_si512(wp + p * pstride + q * 2 * kPanel + v * 32);
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * ldx + 2 * q, sizeof pair);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], wv[v], xb);
-    }
-  }
-  if constexpr (E != kPlain) {
-    // Whole panels only (N a multiple of 64, no bias): gate and up of output columns
-    // col / 2 + 16 j, rounded to bf16 as the plain epilogue stores them, then the activation
-    // as act_and_mul computes it (act_vec.h): the bits of small_linear + act_and_mul.
-    (void)bias, (void)c0, (void)c1;
-    for (int p = 0; p < NP; ++p)
-      for (int j = 0; j < 2; ++j) {
-        const int gv = p * kPanelVecs + j, uv = gv + 2;
-        c10::BFloat16* dst = out + (col + p * kPanel) / 2 + j * 16;
-        for (int m = 0; m < MR; ++m) {
-          const vec::f32x16 g = vec::round_bf16((vec::f32x16)acc[m][gv]), u = vec::round_bf16((vec::f32x16)acc[m][uv]);
-          vec::store_bf16(dst + m * ldo, act::gated16<E == kGatedGelu>(g, u));
-        }
-      }
-    return;
-  }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t c = col + v * 16;
-    const int64_t lo = std::max(c0, c) - c, hi = std::min(c1, c + 16) - c;
-    if (lo >= hi) continue;
-    const __mmask16 mask = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
-    __m512 b = _mm512_setzero_ps();
-    if (bias)
-      b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c)), 16));
-    for (int m = 0; m < MR; ++m) {
-      const __m512 s = bias ? _mm512_add_ps(acc[m][v], b) : acc[m][v];
-      // rounded to nearest even, as c10::BFloat16(float) rounds (only a NaN's bits may differ)
-      _mm256_mask_storeu_epi16(out + m * ldo + c, mask, (__m256i)_mm512_cvtneps_pbh(s));
-    }
-  }
-}
-
-using PackedFn = void (*)(const uint16_t*, int64_t, const c10::BFloat16*, int64_t, int64_t, const c10::BFloat16*,
-                          c10::BFloat16*, int64_t, int64_t, int64_t, int64_t);
-
-// Panels per block for a block of mr rows: 16-24 accumulators (fewer rows, more read streams).
-constexpr int panels_for(int mr) { return mr == 1 ? 4 : mr == 2 ? 3 : mr == 3 ? 2 : 1; }
-
-template <int MR, int E>
-PackedFn pick(int np) {
-  if constexpr (panels_for(MR) == 1) return packed_block<MR, 1, E>;
-  else return np == panels_for(MR) ? packed_block<MR, panels_for(MR), E> : packed_block<MR, 1, E>;
-}
-
-template <int E>
-PackedFn pick_rows(int mr, int np) {
-  static_assert(kMaxMR == 6, "packed_fn lists 6 row counts");
-  switch (mr) {
-    case 1: return pick<1, E>(np);
-    case 2: return pick<2, E>(np);
-    case 3: return pick<3, E>(np);
-    case 4: return pick<4, E>(np);
-    case 5: return pick<5, E>(np);
-    default: return pick<6, E>(np);
-  }
-}
-
-// packed_block<mr, np, epi> for np == panels_for(mr) or 1.
-PackedFn packed_fn(int mr, int np, int epi) {
-  return epi == kGatedSilu ? pick_rows<kGatedSilu>(mr, np)
-         : epi == kGatedGelu ? pick_rows<kGatedGelu>(mr, np)
-                             : pick_rows<kPlain>(mr, np);
-}
-
-// f(u) for u in [0, units) on the pool's threads, each taking the next unit from a shared
-// counter as it finishes one: a thread the OS or the hypervisor takes away for a while leaves
-// its share to the others instead of holding them at the join (a static split makes every
-// thread wait for the slowest). Units are claimed in order, so neighbours still share caches.
-// An output's bits do not depend on which thread computes it.
-template <class F>
-void dynamic_for(int64_t units, F&& f) {
-  const int64_t nt = std::min<int64_t>(at::get_num_threads(), units);
-  if (nt <= 1 || at::in_parallel_region()) {
-    for (int64_t u = 0; u < units; ++u) f(u);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
-    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) f(u);
-  });
-}
-
-// Columns [n0, N) of out; wp packs exactly those (panel p: columns n0 + 64 p ...). With a gated
-// epilogue (n0 = 0, N % 64 == 0, wp = pack_gated(w)), out is [M, N / 2].
-void run_packed(const c10::BFloat16* x, const c10::BFloat16* wp, const c10::BFloat16* bias, c10::BFloat16* out,
-                int64_t M, int64_t N, int64_t K, int64_t n0, int epi = kPlain) {
-  const int64_t ldo = epi == kPlain ? N : N / 2;
-  const int64_t K2 = (K + 1) / 2;
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
-  int64_t ldx = K;
-  std::vector<uint16_t> xpad;
-  if (K % 2) {  // odd K: rows padded with a zero, so a row's last pair does not read the next row
-    ldx = K + 1;
-    xpad.assign(static_cast<size_t>(M * ldx), 0);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(xpad.data() + m * ldx, xs + m * K, K * sizeof(uint16_t));
-    xs = xpad.data();
-  }
-  const int64_t pstride = K2 * 2 * kPanel;  // elements per panel
-  const int64_t panels = (N - n0 + kPanel - 1) / kPanel;
-  // x rows [m0, m0 + rows) over panels [pb, pe): groups of kGroup panels, each applied to the
-  // rows' blocks (of near-equal size, kMaxMR at most) in turn.
-  auto rows_over_panels = [&](int64_t m0, int64_t rows, int64_t pb, int64_t pe) {
-    const int64_t blocks = (rows + kMaxMR - 1) / kMaxMR;
-    for (int64_t g = pb; g < pe; g += kGroup) {
-      const int64_t ge = std::min(pe, g + kGroup);
-      for (int64_t bi = 0, m = m0; bi < blocks; ++bi) {
-        const int mr = (int)(rows * (bi + 1) / blocks - (m - m0));
-        for (int64_t p = g; p < ge;) {
-          const int np = p + panels_for(mr) <= ge ? panels_for(mr) : 1;
-          packed_fn(mr, np, epi)(xs + m * ldx, ldx, wp + p * pstride, pstride, K2, bias, out + m * ldo, ldo,
-                                 n0 + p * kPanel, n0, N);
-          p += np;
-        }
-        m += mr;
-      }
-    }
-  };
-  // x in slices of near-equal size that stay in L2 (at most kSliceBytes), each applied to the
-  // panels in turn (the panels stream from L3 once per slice). With few panels per thread
-  // (9 for N = 576) the work units are (panel, slice) pairs instead, panel-major (consecutive
-  // units reuse a panel from L2), so threads split the rows too; with many, that order reads x
-  // from L3 once per panel, which cost more.
-  const int64_t max_rows = std::max<int64_t>(kMaxMR, kSliceBytes / (ldx * 2));
-  const int64_t slices = (M + max_rows - 1) / max_rows;
-  auto slice_rows = [&](int64_t sl) { return std::make_pair(M * sl / slices, M * (sl + 1) / slices - M * sl / slices); };
-  // Both orders run through dynamic_for: a thread that is descheduled mid-call leaves its units
-  // to the other (a 542-row SmolLM2 prefill on 2 threads: 5 ms faster quiet, 12 ms faster
-  // next to a process taking 2 ms of every 20, paired in-process A/B; decode rows unchanged).
-  if (slices > 1 && panels < kFewPanels * at::get_num_threads()) {
-    dynamic_for(panels * slices, [&](int64_t u) {
-      const auto [m0, rows] = slice_rows(u % slices);
-      rows_over_panels(m0, rows, u / slices, u / slices + 1);
-    });
-    return;
-  }
-  // Slice-major: a slice of x stays in L2 while chunks of kGroup panels (at least kGrainBytes
-  // of W) go by.
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (pstride * 2));
-  const int64_t chunk = std::max<int64_t>(grain, kGroup), chunks = (panels + chunk - 1) / chunk;
-  dynamic_for(slices * chunks, [&](int64_t u) {
-    const auto [m0, rows] = slice_rows(u / chunks);
-    const int64_t pb = (u % chunks) * chunk;
-    rows_over_panels(m0, rows, pb, std::min(panels, pb + chunk));
-  });
-}
-
-// w's columns [n0, N) packed as run_packed reads them: wp[p][q][c][j] = w[n0 + 64 p + c][2 q + j],
-// zero past N and K.
-at::Tensor pack(const at::Tensor& w, int64_t n0) {
-  const int64_t N = w.size(0), K = w.size(1), K2 = (K + 1) / 2, P = (N - n0 + kPanel - 1) / kPanel;
-  at::Tensor wp = at::zeros({P, K2, kPanel, 2}, w.options());
-  const uint16_t* ws = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  uint16_t* d = reinterpret_cast<uint16_t*>(wp.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t c = 0; c < kPanel && n0 + p * kPanel + c < N; ++c) {
-        const uint16_t* row = ws + (n0 + p * kPanel + c) * K;
-        uint16_t* dst = d + p * K2 * 2 * kPanel + c * 2;
-        for (int64_t k = 0; k < K; ++k) dst[(k / 2) * 2 * kPanel + (k % 2)] = row[k];
-      }
-  });
-  return wp;
-}
-
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#define PDSERVE_AMX 1
-
-// AMX: tiles of 16 rows x 64 bytes. C[n][m] += sum_k W[n][k] * x[m][k] is one
-// TDPBF16PS per 32 k with A = 16 rows of W as they lie in memory and B = x
-// packed once per call into the VNNI layout B[k/2][m][k%2] (16 columns of m,
-// zero past M). Four C tiles cover 64 rows of W per pass over k.
-constexpr int64_t kTileN = 16;  // W rows per A tile
-constexpr int64_t kTileM = 16;  // x rows per B tile
-constexpr int64_t kTilesN = 4;  // C tiles (W row blocks) per pass
-
-using amx::load_tile_config;
-
-// xp[kc][kp][m][j] = x[m0 + m][32 kc + 2 kp + j], zero for m >= M - m0.
-void pack_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t m0, uint16_t* xp) {
-  const int64_t mm = std::min<int64_t>(kTileM, M - m0);
-  std::memset(xp, 0, sizeof(uint16_t) * K * kTileM);
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x);
-  for (int64_t m = 0; m < mm; ++m)
-    for (int64_t k = 0; k < K; ++k)
-      xp[(k / 32) * 512 + ((k % 32) / 2) * 32 + m * 2 + (k % 2)] = xs[(m0 + m) * K + k];
-}
-
-template <int NT>
-inline void amx_rows(const c10::BFloat16* w, const uint16_t* xp, int64_t K, float* c) {
-  // c[t][16 n][16 m] for NT row blocks of W starting at w.
-  if (NT > 0) _tile_zero(0);
-  if (NT > 1) _tile_zero(1);
-  if (NT > 2) _tile_zero(2);
-  if (NT > 3) _tile_zero(3);
-  const int64_t stride = K * 2;
-  for (int64_t kc = 0; kc < K / 32; ++kc) {
-    _tile_loadd(5, xp + kc * 512, 64);
-    const c10::BFloat16* a = w + kc * 32;
-    _tile_loadd(4, a, stride);
-    _tile_dpbf16ps(0, 4, 5);
-    if (NT > 1) { _tile_loadd(4, a + kTileN * K, stride); _tile_dpbf16ps(1, 4, 5); }
-    if (NT > 2) { _tile_loadd(4, a + 2 * kTileN * K, stride); _tile_dpbf16ps(2, 4, 5); }
-    if (NT > 3) { _tile_loadd(4, a + 3 * kTileN * K, stride); _tile_dpbf16ps(3, 4, 5); }
-  }
-  _tile_stored(0, c, 64);
-  if (NT > 1) _tile_stored(1, c + 256, 64);
-  if (NT > 2) _tile_stored(2, c + 512, 64);
-  if (NT > 3) _tile_stored(3, c + 768, 64);
-}
-
-// Rows [0, N / 16 * 16) of the output with AMX; returns the first row left over.
-int64_t run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
-                int64_t M, int64_t N, int64_t K) {
-  const int64_t nblocks = N / kTileN;
-  if (K % 32 || nblocks == 0 || !amx::permitted()) return 0;
-  const int64_t groups = (M + kTileM - 1) / kTileM;
-  std::vector<uint16_t> xp(static_cast<size_t>(groups * K * kTileM));
-  for (int64_t g = 0; g < groups; ++g) pack_x(x, M, K, g * kTileM, xp.data() + g * K * kTileM);
-  const int64_t passes = (nblocks + kTilesN - 1) / kTilesN;
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kTilesN * kTileN * K * 2));
-  const __m512i kColumn = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kTileM));
-  at::parallel_for(0, passes, grain, [&](int64_t p0, int64_t p1) {
-    load_tile_config();
-    alignas(64) float c[kTilesN * kTileN * kTileM];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t nb = p * kTilesN;
-      const int nt = (int)std::min<int64_t>(kTilesN, nblocks - nb);
-      const c10::BFloat16* wb = w + nb * kTileN * K;
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint16_t* xg = xp.data() + g * K * kTileM;
-        switch (nt) {
-          case 1: amx_rows<1>(wb, xg, K, c); break;
-          case 2: amx_rows<2>(wb, xg, K, c); break;
-          case 3: amx_rows<3>(wb, xg, K, c); break;
-          default: amx_rows<4>(wb, xg, K, c); break;
-        }
-        // c[t][n][m] -> out[m][16 n]: one gather down a column of each C tile per x row
-        // (the scalar transpose was ~25% of a 16-row step). Rounds to nearest even, as
-        // c10::BFloat16 does.
-        const int64_t mm = std::min<int64_t>(kTileM, M - g * kTileM);
-        for (int t = 0; t < nt; ++t) {
-          const int64_t n0 = (nb + t) * kTileN;
-          const __m512 bv = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0))), 16))
-                                 : _mm512_setzero_ps();
-          for (int64_t m = 0; m < mm; ++m) {
-            const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(kColumn, c + t * 256 + m, 4), bv);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g * kTileM + m) * N + n0),
-                                (__m256i)_mm512_cvtneps_pbh(v));
-          }
-        }
-      }
-    }
-    _tile_release();
-  });
-  return nblocks * kTileN;
-}
-#endif  // AMX
-
-#endif  // __AVX512BF16__
 
 }  // namespace
 

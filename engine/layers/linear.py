@@ -50,9 +50,10 @@ def small_linear_available() -> bool:
     """True when the kernel is built and this CPU runs it (cached per process)."""
     if os.environ.get("PDSERVE_SMALL_LINEAR", "1") == "0":
         return False
-    load_kernel("engine.layers.linear", "small_linear_cpu", ["small_linear.cpp", "amx_gemm.cpp"], _CFLAGS,
+    load_kernel("engine.layers.linear", "small_linear_cpu",
+                ["small_linear.cpp", "packed_linear.cpp", "amx_rows.cpp", "amx_gemm.cpp"], _CFLAGS,
                 headers=["include/act_vec.h", "include/amx_tiles.h", "include/amx_gemm.h", "include/bf16_vec.h",
-                         "include/cephes_exp.h"])
+                         "include/cephes_exp.h", "include/packed_linear.h"])
     return bool(torch.ops.pdserve.small_linear_supported())
 
 
