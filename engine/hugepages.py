@@ -9,7 +9,7 @@ file that is already written, which it rebuilds in huge pages even where tmpfs h
 off (shmem_enabled "never"; not "deny").
 
     zeros(shape, dtype)   a zeroed CPU tensor on huge pages (the KV pool), faulted in now
-    copy_all(ts)          copies of tensors in one buffer on huge pages (private packed weights)
+    empty_like_all(ts)    tensors like ts side by side in one huge-page buffer (private packed weights)
     map_readonly(fd, n)   a read-only shared mapping of a file's first n bytes, 2 MB-aligned
                           and collapsed (the shared weights); None where it cannot be made
 
@@ -76,22 +76,25 @@ def _aligned_range(size: int) -> int | None:
         return None
     a = _round_up(p)
     if a > p:
-        libc.munmap(p, a - p)  # the unaligned head and the tail beyond `size`
+        libc.munmap(p, a - p)  # the unaligned head
     if p + size + HUGE > a + size:
-        libc.munmap(a + size, p + size + HUGE - (a + size))
+        libc.munmap(a + size, p + size + HUGE - (a + size))  # and the tail past `size`
     return a
 
 
 def _wrap(addr: int, nbytes: int, mapped: int) -> ctypes.Array:
     """A buffer over [addr, addr + nbytes) that unmaps `mapped` bytes at addr when it is freed."""
     buf = (ctypes.c_char * nbytes).from_address(addr)
-    weakref.finalize(buf, _libc().munmap, addr, mapped)
+    # Not at exit: a thread still reading the memory then (a daemon thread copying pages)
+    # would fault; the process's end unmaps it anyway.
+    weakref.finalize(buf, _libc().munmap, addr, mapped).atexit = False
     return buf
 
 
-def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype) on the CPU, in anonymous memory advised to huge pages and
-    written once (so serving never faults it in)."""
+def zeros(shape, dtype: torch.dtype, prefault: bool = True) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype) on the CPU, in anonymous memory advised to huge pages and,
+    with `prefault`, written once now (so serving never faults it in; without, each page is
+    faulted in, zeroed, by its first access)."""
     numel = 1
     for s in shape:
         numel *= int(s)
@@ -108,26 +111,26 @@ def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     if libc.madvise(a, size, _MADV_HUGEPAGE) != 0:
         log.debug("MADV_HUGEPAGE refused (errno %d): 4 KB pages", ctypes.get_errno())
     t = torch.frombuffer(_wrap(a, nbytes, size), dtype=dtype, count=numel).view(shape)
-    t.zero_()  # fault every page in now (a fresh anonymous mapping reads as zeros anyway)
+    if prefault:
+        t.zero_()  # (a fresh anonymous mapping reads as zeros anyway)
     return t
 
 
-def copy_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous copies of CPU tensors, side by side (each on a 4 KB boundary) in one buffer on
-    huge pages (zeros()'s memory): layers' weights of 1-2 MB each would waste most of a 2 MB page
-    apiece. The tensors themselves where that would gain nothing (under 2 MB in all, or off)."""
+def empty_like_all(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Zeroed contiguous tensors shaped like `tensors`, side by side (each on a 4 KB boundary) in
+    one buffer on huge pages, not faulted in: copying into them one by one and dropping each
+    original at once keeps the peak at the originals plus one piece (layers' weights of 1-2 MB
+    each would waste most of a 2 MB page apiece alone). None where huge pages would gain nothing
+    (under 2 MB in all, or off)."""
     sizes = [t.numel() * t.element_size() for t in tensors]
     offsets, pos = [], 0
     for n in sizes:
         offsets.append(pos)
         pos += -(-n // 4096) * 4096
     if pos < HUGE or not enabled():
-        return list(tensors)
-    buf = zeros((pos,), torch.uint8)
-    out = []
-    for t, off, n in zip(tensors, offsets, sizes):
-        out.append(buf[off:off + n].view(t.dtype).view(t.shape).copy_(t))
-    return out
+        return None
+    buf = zeros((pos,), torch.uint8, prefault=False)
+    return [buf[off:off + n].view(t.dtype).view(t.shape) for t, off, n in zip(tensors, offsets, sizes)]
 
 
 def map_readonly(fd: int, nbytes: int) -> ctypes.Array | None:

@@ -93,6 +93,9 @@ def _packed_to_huge_pages(model) -> None:
     from engine.shared_weights import release_freed_memory
 
     mods = [m for m in model.modules() if isinstance(m, Linear) and m._packed is not None]
-    for m, t in zip(mods, hugepages.copy_all([m._packed[1] for m in mods])):
-        m._packed = (m._packed[0], t)
-    release_freed_memory()  # the 4 KB copies' heap pages
+    views = hugepages.empty_like_all([m._packed[1] for m in mods])
+    if views is None:
+        return
+    for m, v in zip(mods, views):  # each 4 KB copy is freed as soon as it is copied
+        m._packed = (m._packed[0], v.copy_(m._packed[1]))
+    release_freed_memory()  # their heap pages

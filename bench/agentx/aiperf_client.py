@@ -17,6 +17,7 @@ An artifact directory holds `profile_export_aiperf.json` (summary: each metric a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -43,7 +44,16 @@ def _common(url: str, model: str, tokenizer: Path, artifact_dir: Path, concurren
     return ["--model", model, "--url", url, "--tokenizer", str(tokenizer),
             "--endpoint", "/v1/chat/completions", "--endpoint-type", "chat", "--streaming",
             "--concurrency", str(concurrency), "--random-seed", str(seed), "--artifact-dir", str(artifact_dir),
-            "--no-gpu-telemetry", "--ui", "none"]
+            "--no-gpu-telemetry", "--ui", "none", *_server_metrics()]
+
+
+def _server_metrics() -> list[str]:
+    """aiperf's own scraper of the server's /metrics stays off unless PDSERVE_AIPERF_SERVER_METRICS=1:
+    nothing here reads its export (compare.py scrapes the router itself, before and after), and
+    on a 2-core machine it costs the server under test (measured in a c1 run of bench_serve: ~3
+    scrapes a second, 0.86 s of aiperf CPU and ~0.2 s of the router's in ~25 s, ~4% of a core
+    taken from the prefill that is the TTFT)."""
+    return [] if os.environ.get("PDSERVE_AIPERF_SERVER_METRICS") == "1" else ["--no-server-metrics"]
 
 
 def agentx_cmd(url: str, model: str, tokenizer: Path, trace_dir: Path, artifact_dir: Path,

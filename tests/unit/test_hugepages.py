@@ -118,17 +118,47 @@ def test_anonymous_buffers_get_huge_pages():
     assert hugepages.huge_bytes(t) >= 8 << 20  # most of it (the kernel may lack a few free huge pages)
 
 
-def test_copy_all_holds_the_same_values_side_by_side_on_huge_pages():
+def test_empty_like_all_lays_tensors_side_by_side_on_huge_pages():
     g = torch.Generator().manual_seed(1)
     ws = [torch.randn(960, 576, generator=g).bfloat16(), torch.randn(7, 3, generator=g),  # 1.1 MB, 84 B
           torch.randn(3072, 576, generator=g).bfloat16()[:, :300].contiguous()]  # 1.8 MB: 2.9 MB in all
-    cs = hugepages.copy_all(ws)
-    assert all(torch.equal(c, w) and c.dtype == w.dtype and c.is_contiguous() for c, w in zip(cs, ws))
-    if hugepages.enabled():
-        assert cs[0].data_ptr() % hugepages.HUGE == 0  # one buffer, each copy on its own 4 KB
-        assert [c.data_ptr() - cs[0].data_ptr() for c in cs] == [0, 1105920, 1110016]
-    small = [torch.ones(100)]
-    assert hugepages.copy_all(small)[0] is small[0]  # under 2 MB in all: nothing to gain
+    vs = hugepages.empty_like_all(ws)
+    if not hugepages.enabled():
+        assert vs is None
+        return
+    assert [(v.shape, v.dtype) for v in vs] == [(w.shape, w.dtype) for w in ws]
+    assert all(v.is_contiguous() and not v.any() for v in vs)
+    assert vs[0].data_ptr() % hugepages.HUGE == 0  # one buffer, each tensor on its own 4 KB
+    assert [v.data_ptr() - vs[0].data_ptr() for v in vs] == [0, 1105920, 1110016]
+    for v, w in zip(vs, ws):
+        v.copy_(w)
+    assert all(torch.equal(v, w) for v, w in zip(vs, ws))
+    assert hugepages.empty_like_all([torch.ones(100)]) is None  # under 2 MB in all: nothing to gain
+
+
+def test_a_ranks_private_packed_weights_are_copied_exactly(tiny_model_dir):
+    """The model runner moves the packed copies (when they reach 2 MB) into one huge-page buffer,
+    keeping their values and their keys."""
+    from engine.layers.linear import Linear
+    from engine.model_runner import _packed_to_huge_pages
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama_tied_linear")), num_threads=1, kv_cache_gb=0.05,
+                                 max_num_batched_tokens=256))
+    try:
+        mods = [m for m in eng.runner.model.modules() if isinstance(m, Linear) and m._packed is not None]
+        assert mods
+        before = [(m._packed[0], m._packed[1].clone()) for m in mods]
+        for m in mods:  # make them big enough to be moved: the tiny model's are a few KB
+            m._packed = (m._packed[0], torch.cat([m._packed[1]] * 64))
+        big = [m._packed[1].clone() for m in mods]
+        _packed_to_huge_pages(eng.runner.model)
+        assert all(m._packed[0] == k for m, (k, _) in zip(mods, before))
+        assert all(torch.equal(m._packed[1], b) for m, b in zip(mods, big))
+        if hugepages.enabled():
+            ptrs = sorted(m._packed[1].data_ptr() for m in mods)
+            assert ptrs[0] % hugepages.HUGE == 0 and ptrs[-1] - ptrs[0] < sum(b.numel() * b.element_size() + 4096 for b in big)
+    finally:
+        eng.close()
 
 
 @needs_thp
