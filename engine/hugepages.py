@@ -13,10 +13,11 @@ off (shmem_enabled "never"; not "deny").
     map_readonly(fd, n)   a read-only shared mapping of a file's first n bytes, 2 MB-aligned
                           and collapsed (the shared weights); None where it cannot be made
 
-Both return memory whose mapping lives as long as the last tensor viewing it (a ctypes array
-over the mapping, unmapped by a weakref finalizer). Best effort: elsewhere (not Linux, no libc
-mmap, a madvise refused) zeros() is torch.zeros and the kernel's 4 KB pages are what the
-buffers get; PDSERVE_HUGEPAGES=0 turns it off. `huge_bytes(t)` says how much of a tensor's
+All three return memory whose mapping lives as long as the last tensor viewing it (a ctypes
+array over the mapping, unmapped by a weakref finalizer; not at exit). Best effort: elsewhere
+(not Linux, no libc mmap) zeros() is torch.zeros, empty_like_all() and map_readonly() return
+None, and where a madvise is refused the kernel's 4 KB pages are what the buffers get;
+PDSERVE_HUGEPAGES=0 turns it off. `huge_bytes(t)` says how much of a tensor's
 range the kernel maps with huge pages (from /proc/self/smaps), for tests and logs.
 
 Measured on this 2-core Zen 4 VM, one process switching its packed weights and KV pool between
