@@ -90,7 +90,6 @@ def _packed_to_huge_pages(model) -> None:
     (engine/hugepages.py); the shared weights' mapping has them already."""
     from engine import hugepages
     from engine.layers.linear import Linear
-    from engine.shared_weights import release_freed_memory
 
     mods = [m for m in model.modules() if isinstance(m, Linear) and m._packed is not None]
     views = hugepages.empty_like_all([m._packed[1] for m in mods])
@@ -98,4 +97,4 @@ def _packed_to_huge_pages(model) -> None:
         return
     for m, v in zip(mods, views):  # each 4 KB copy is freed as soon as it is copied
         m._packed = (m._packed[0], v.copy_(m._packed[1]))
-    release_freed_memory()  # their heap pages
+    hugepages.release_freed_memory()  # their heap pages

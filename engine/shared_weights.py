@@ -170,21 +170,9 @@ def share_weights(model: nn.Module, directory: str | Path, identity: str) -> Sha
         views.append(v.view(t.dtype).view(t.shape))
     _swap(model, tensors, views)
     del tensors, views
-    release_freed_memory()
+    hugepages.release_freed_memory()
     log.info("shared weights: %s %s (%.0f MB)", "wrote and mapped" if created else "mapped", path, size / 2**20)
     return SharedWeights(path, size, created, base.data_ptr(), inode, mm)
-
-
-def release_freed_memory() -> None:
-    """Hand the private copies' pages back to the system: glibc keeps freed blocks below its
-    (load-raised) mmap threshold in the heap, ~200 MB of SmolLM2's 513 MB here."""
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
 
 
 def _swap(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], views: list[torch.Tensor]) -> None:
