@@ -187,7 +187,7 @@ def direct_reference(streams: int, max_tokens: int, step_ms: float = 0.0, warmup
 
     from pd_server.protocol.codec import Codec
     from pd_server.protocol.rank_router import Hello, TokenBatch
-    from pd_server.protocol.router_rank import Generate, Sampling, Shutdown, Welcome
+    from pd_server.protocol.router_rank import Generate, Ping, Sampling, Shutdown, Welcome
 
     ctx, codec = zmq.Context(), Codec()
     sock = ctx.socket(zmq.ROUTER)
@@ -206,10 +206,14 @@ def direct_reference(streams: int, max_tokens: int, step_ms: float = 0.0, warmup
         for k in range(streams):
             sock.send_multipart([ident, codec.encode(Generate(f"r{k}", [1], Sampling(max_tokens), time.time()))])
         left, n, lat, steady = streams, 0, [], time.time() + warmup_s
+        pinged = time.time()
         while left:
             msg = codec.decode_from_rank(sock.recv_multipart()[1])
             if isinstance(msg, TokenBatch):
                 now = time.time()
+                if now - pinged > 1.0:  # as the router does: a rank quits after 5 s without word
+                    sock.send_multipart([ident, codec.encode(Ping(now))])
+                    pinged = now
                 n += len(msg.events)
                 left -= sum(ev.finish_reason is not None for ev in msg.events)
                 if now > steady:

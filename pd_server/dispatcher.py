@@ -41,6 +41,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from pd_server import fanout
 from pd_server.cluster_auth import handshake_failure, secure_server, start_authenticator
 from pd_server.config import RouterConfig
 from pd_server.errors import APIError
@@ -272,6 +273,7 @@ class Dispatcher:
         held, self._held = self._held, []
         for inbox in held:
             inbox.flush()
+        fanout.BATCH.send()  # the eager streams' bodies, one native call for all
 
     def _observe_itl(self, samples: list[float]) -> None:
         self.metrics.itl.observe_all(samples)

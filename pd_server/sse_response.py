@@ -36,7 +36,7 @@ from typing import Protocol
 
 from starlette.responses import Response
 
-from pd_server import sse
+from pd_server import fanout, sse
 from pd_server.errors import APIError
 from pd_server.protocol.rank_router import TokenEvent
 from pd_server.request_state import ClientGone, Handle
@@ -126,6 +126,7 @@ class SSEStream(Response):
         self._out = None  # the send the body goes to
         self._busy: asyncio.Future | None = None  # an eager send that had to wait (flow control)
         self._error: BaseException | None = None  # an eager send's failure, raised by the stream task
+        self._direct: fanout.Direct | None = None  # the connection, where eager bodies go to fanout.BATCH
 
     def _eager(self, items: list) -> bool:
         """Step 3 without waking the stream's task (Inbox.eager, called by the dispatcher at the
@@ -142,6 +143,10 @@ class SSEStream(Response):
             out.append(fast(idx, ev))
         if None in out:
             return False
+        direct = self._direct
+        if direct is not None and (direct.slot >= 0 or direct.ready()):
+            fanout.BATCH.add(direct, b"".join(out))  # sent with every other stream's at the round's end
+            return True
         coro = self._out({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         try:
             first = coro.send(None)
@@ -154,7 +159,9 @@ class SSEStream(Response):
         return True
 
     async def _settle(self) -> None:
-        """Wait for a pending eager send; raise its failure."""
+        """Wait for a pending eager send (one still in fanout.BATCH goes first); raise its failure."""
+        if self._direct is not None and self._direct.slot >= 0:
+            fanout.BATCH.send()
         if self._busy is not None:
             await self._busy
             self._busy = None
@@ -167,6 +174,7 @@ class SSEStream(Response):
         watch = watch_disconnect(receive, handle)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            self._direct = fanout.Direct.of(out)
             head = renderer.head()
             if head:
                 await out({"type": "http.response.body", "body": head, "more_body": True})

@@ -1,0 +1,223 @@
+"""The batched SSE fan-out (pd_server/fanout.py, csrc/sse_fanout.c): the frames on the wire, short
+writes and failures handed back, and a real uvicorn server streaming through it in order."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import socket
+
+import pytest
+import uvicorn
+from test_router_stream import MODEL, TRICKY, Recorder, ev
+
+from pd_server import fanout, sse
+from pd_server.app import build_app
+from pd_server.config import RouterConfig
+from pd_server.http_protocol import header_timeout_protocol
+from pd_server.metrics import RouterMetrics
+from pd_server.prompts import ChatRenderer
+from pd_server.serving import ServerContext
+from test_router_prompts import CHATML, StubTokenizer
+
+SENDERS = [pytest.param(fanout._send_chunks_py, id="python")]
+if fanout.send_chunks is not fanout._send_chunks_py:
+    SENDERS.insert(0, pytest.param(fanout.send_chunks, id="native"))
+
+
+def test_the_native_module_is_built():
+    assert fanout.send_chunks is not fanout._send_chunks_py  # a compiler is part of this project's set-up
+
+
+def recv_exactly(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        out += s.recv(n - len(out))
+    return out
+
+
+@pytest.mark.parametrize("send_chunks", SENDERS)
+def test_each_socket_gets_its_chunk_framed_as_uvicorn_does(send_chunks):
+    pairs = [socket.socketpair() for _ in range(5)]
+    bodies = [b"", b"x", b"data: {}\n\n", "ü🙂".encode() * 40, bytes(range(256)) * 20]
+    try:
+        for a, _ in pairs:
+            a.setblocking(False)
+        assert send_chunks([a.fileno() for a, _ in pairs], bodies) == []
+        for (_, b), body in zip(pairs, bodies):
+            want = b"%x\r\n" % len(body) + body + b"\r\n"
+            assert recv_exactly(b, len(want)) == want
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+@pytest.mark.parametrize("send_chunks", SENDERS)
+def test_short_writes_and_failures_are_handed_back_and_the_others_still_sent(send_chunks):
+    full_a, full_b = socket.socketpair()
+    ok_a, ok_b = socket.socketpair()
+    dead_a, dead_b = socket.socketpair()
+    socks = (full_a, full_b, ok_a, ok_b, dead_a, dead_b)
+    try:
+        for s in (full_a, ok_a, dead_a):
+            s.setblocking(False)
+        full_a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        while True:  # fill it: its reader reads nothing
+            try:
+                full_a.send(b"f" * 4096)
+            except BlockingIOError:
+                break
+        dead_b.close()
+        big = b"y" * (1 << 20)
+        short = dict(send_chunks([full_a.fileno(), ok_a.fileno(), dead_a.fileno()], [big, b"ok", b"z"]))
+        assert set(short) == {0, 2}
+        assert short[0] == -errno.EAGAIN or 0 < short[0] < len(big)
+        assert short[2] in (-errno.EPIPE, -errno.ECONNRESET)
+        assert recv_exactly(ok_b, 7) == b"2\r\nok\r\n"
+    finally:
+        for s in socks:
+            s.close()
+
+
+class StubTransport:
+    def __init__(self, closing: bool = False) -> None:
+        self.written: list[bytes] = []
+        self.closing = closing
+
+    def write(self, data: bytes) -> None:
+        self.written.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class StubTarget:
+    def __init__(self, fd: int, closing: bool = False) -> None:
+        self.fd, self.transport, self.slot = fd, StubTransport(closing), -1
+
+
+def test_batch_joins_a_connections_bodies_hands_rests_to_its_transport_and_drops_closed_ones(monkeypatch):
+    calls = []
+
+    def fake_send(fds, bodies):
+        calls.append((list(fds), list(bodies)))
+        return [(0, 3), (1, -errno.EAGAIN)]  # the first took 3 bytes, the second none
+
+    monkeypatch.setattr(fanout, "send_chunks", fake_send)
+    a, b, gone = StubTarget(10), StubTarget(11), StubTarget(12, closing=True)
+
+    async def run():
+        batch = fanout.Batch()
+        batch.add(a, b"one")
+        batch.add(b, b"two")
+        batch.add(gone, b"lost")
+        batch.add(a, b"+more")  # the same connection again: one frame, in order
+        assert a.slot == 0 and b.slot == 1
+        batch.send()
+        batch.send()  # nothing left: no call
+        await asyncio.sleep(0)  # the loop's own call finds the batch empty
+
+    asyncio.run(run())
+    assert calls == [([10, 11], [b"one+more", b"two"])]
+    assert a.transport.written == [(b"8\r\none+more\r\n")[3:]] and b.transport.written == [b"3\r\ntwo\r\n"]
+    assert gone.transport.written == [] and a.slot == b.slot == gone.slot == -1
+
+
+def test_an_added_body_is_sent_on_the_next_loop_turn_without_the_dispatcher(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fanout, "send_chunks", lambda fds, bodies: calls.append(bodies) or [])
+
+    async def run():
+        batch = fanout.Batch()
+        batch.add(StubTarget(3), b"x")
+        assert calls == []
+        await asyncio.sleep(0)
+        assert calls == [[b"x"]]
+
+    asyncio.run(run())
+
+
+async def _read_until(reader: asyncio.StreamReader, marker: bytes, buf: bytearray) -> None:
+    while marker not in buf:
+        chunk = await asyncio.wait_for(reader.read(65536), 5)
+        assert chunk, "connection closed early"
+        buf += chunk
+
+
+def _dechunk(raw: bytes) -> bytes:
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower()
+    out = b""
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return out
+        out, rest = out + rest[:n], rest[n + 2:]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["batched", "uvicorn-send"])
+def test_streams_through_real_uvicorn_byte_for_byte(monkeypatch, native):
+    """Two streams on one uvicorn server: the bodies each client reads are the same with the
+    batched writes as with uvicorn's own send, and the batched path is the one taken."""
+    monkeypatch.setattr(fanout, "ENABLED", native)
+    cfg = RouterConfig()
+    disp = Recorder(cfg)
+    tok = StubTokenizer(CHATML)
+    ctx = ServerContext(cfg, MODEL, frozenset({MODEL}), tok, ChatRenderer(tok), disp.registry, disp, RouterMetrics())
+    sent = []
+    real = fanout.send_chunks
+    monkeypatch.setattr(fanout, "send_chunks", lambda fds, bodies: sent.append(len(fds)) or real(fds, bodies))
+
+    async def run():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(build_app(ctx), host="127.0.0.1", port=port, log_level="warning",
+                                               access_log=False, lifespan="off",
+                                               http=header_timeout_protocol(cfg.header_timeout_s)))
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        clients = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": True}).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            clients.append((reader, writer, bytearray()))
+        while len(disp.generates()) < 2:
+            await asyncio.sleep(0.01)
+        ids = [g.request_id for g in disp.generates()]
+        for reader, _, buf in clients:
+            await _read_until(reader, b"\r\n\r\n", buf)  # the headers: both streams started
+        for i, t in enumerate(TRICKY):
+            fin = "length" if i == len(TRICKY) - 1 else None
+            disp._on_tokens([ev(ids[0], i + 1, t, fin), ev(ids[1], i + 1, t[::-1], fin)])
+            if fin is None:
+                for reader, _, buf in clients:  # each token reaches its client before the next is made
+                    while buf.count(b"\n\n") < i + 1:
+                        await _read_until(reader, b"\n\n", buf)
+                        if buf.count(b"\n\n") < i + 1:
+                            buf += await asyncio.wait_for(reader.read(65536), 5)
+        for reader, writer, buf in clients:
+            await _read_until(reader, b"0\r\n\r\n", buf)
+            writer.close()
+        server.should_exit = True
+        await serving
+        return [_dechunk(bytes(buf)) for _, _, buf in clients]
+
+    try:
+        bodies = asyncio.run(run())
+    finally:
+        disp._sock.close(linger=0)
+        disp._ctx.term()
+    for body, texts in zip(bodies, ([t for t in TRICKY], [t[::-1] for t in TRICKY])):
+        events = [json.loads(e) for e in sse.iter_events([body]) if e != b"[DONE]"]
+        assert [e["choices"][0]["text"] for e in events if e["choices"][0]["finish_reason"] is None] == texts
+        assert events[-1]["choices"][0]["finish_reason"] == "length" and body.endswith(sse.DONE)
+    if native:
+        assert sent and max(sent) == 2  # both streams' tokens went out in one call
+    else:
+        assert sent == []
