@@ -8,7 +8,9 @@ Per stream, in order:
      renders them (one SSE event per token event, never merged) and writes them with ONE
      send, straight to the server's send (`SERVER_SEND` below). While the task waits with
      nothing pending, a plain token (renderer.fast) is written by the dispatcher's own call
-     instead (Inbox.eager): no wake-up of the task per token. The server's send is a
+     instead (Inbox.eager): no wake-up of the task per token. Where uvicorn would write it at
+     once (fanout.Direct), those bytes join the round's fanout.BATCH, which the dispatcher
+     writes for every stream with one native call at the end of the round. The server's send is a
      coroutine that finishes without waiting unless the client stopped reading (flow
      control); it is run one step in place, and only if it waits does the rest go to a task
      (`_Rest`), which later events then wait for, so the order on the wire never changes;
