@@ -271,9 +271,11 @@ class Dispatcher:
     def _flush_held(self) -> None:
         """End of a receive round: every inbox holding events hands them to its stream at once."""
         held, self._held = self._held, []
-        for inbox in held:
-            inbox.flush()
-        fanout.BATCH.send()  # the eager streams' bodies, one native call for all
+        try:
+            for inbox in held:
+                inbox.flush()
+        finally:
+            fanout.BATCH.send()  # the eager streams' bodies, one native call for all
 
     def _observe_itl(self, samples: list[float]) -> None:
         self.metrics.itl.observe_all(samples)

@@ -5,8 +5,10 @@ transport's write and a socket.send call, on the router's one thread, 256 times 
 streams before the last stream's token left (router CPU 23.3 us a token there; 19.6 us with
 this, and 0.79x the p99 added latency: docs/results/bench-router.md). Here a stream
 that takes the eager path (sse_response.SSEStream._eager) only adds (fd, body) to the round's
-`Batch`; the dispatcher's end of round (or, failing that, the next loop iteration) sends them all
-with one call of `send_chunks`, each as the HTTP/1.1 chunk uvicorn would have written.
+`Batch`; the dispatcher's end of round (`Dispatcher._flush_held`, the only caller of the eager
+writers) sends them all with one call of `send_chunks`, each as the HTTP/1.1 chunk uvicorn would
+have written. So a body never waits in the batch while anything else could write to its
+connection, and each connection has at most one body there (its inbox is flushed once a round).
 
 Only where that is exactly what uvicorn would do (`Direct.of`): a plain-TCP asyncio transport
 of uvicorn's httptools protocol whose response is chunked, and, each round (`Direct.ready`),
@@ -21,7 +23,6 @@ The module is built once per source version with the C compiler into the pdserve
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -98,11 +99,10 @@ send_chunks = _load() if ENABLED else _send_chunks_py
 class Direct:
     """A streamed response's connection, written directly while uvicorn would write at once."""
 
-    __slots__ = ("cycle", "flow", "transport", "fd", "slot")
+    __slots__ = ("cycle", "flow", "transport", "fd")
 
     def __init__(self, cycle, transport, fd: int) -> None:
         self.cycle, self.flow, self.transport, self.fd = cycle, cycle.flow, transport, fd
-        self.slot = -1  # its index in BATCH while it has a body there
 
     @classmethod
     def of(cls, send) -> Direct | None:
@@ -130,10 +130,7 @@ class Direct:
 
 
 class Batch:
-    """The bodies of one round, one per connection (a second body for the same one joins the
-    first, in order: the frame is one HTTP chunk, the SSE events in it unchanged), sent by one
-    send_chunks call. Whoever writes to a connection by another way first calls send() while
-    the connection has a slot here, so the order on the wire never changes."""
+    """The bodies of one dispatcher round, one per connection, sent by one send_chunks call."""
 
     def __init__(self) -> None:
         self.fds: list[int] = []
@@ -141,13 +138,6 @@ class Batch:
         self.targets: list[Direct] = []
 
     def add(self, target: Direct, body: bytes) -> None:
-        if target.slot >= 0:
-            self.bodies[target.slot] += body
-            return
-        if not self.fds:
-            # The dispatcher sends at the end of its round; this covers any other caller.
-            asyncio.get_running_loop().call_soon(self.send)
-        target.slot = len(self.fds)
         self.fds.append(target.fd)
         self.bodies.append(body)
         self.targets.append(target)
@@ -157,11 +147,7 @@ class Batch:
             return
         fds, bodies, targets = self.fds, self.bodies, self.targets
         self.fds, self.bodies, self.targets = [], [], []
-        closing = False
-        for t in targets:
-            t.slot = -1
-            closing = closing or t.transport.is_closing()
-        if closing:  # closed since (its fd may soon be another connection's): its body is dropped
+        if any(t.transport.is_closing() for t in targets):  # closed since (its fd may soon be another connection's): its body is dropped
             keep = [i for i, t in enumerate(targets) if not t.transport.is_closing()]
             fds, bodies, targets = [fds[i] for i in keep], [bodies[i] for i in keep], [targets[i] for i in keep]
         for i, sent in send_chunks(fds, bodies):

@@ -146,7 +146,7 @@ class SSEStream(Response):
         if None in out:
             return False
         direct = self._direct
-        if direct is not None and (direct.slot >= 0 or direct.ready()):
+        if direct is not None and direct.ready():
             fanout.BATCH.add(direct, b"".join(out))  # sent with every other stream's at the round's end
             return True
         coro = self._out({"type": "http.response.body", "body": b"".join(out), "more_body": True})
@@ -161,9 +161,7 @@ class SSEStream(Response):
         return True
 
     async def _settle(self) -> None:
-        """Wait for a pending eager send (one still in fanout.BATCH goes first); raise its failure."""
-        if self._direct is not None and self._direct.slot >= 0:
-            fanout.BATCH.send()
+        """Wait for a pending eager send; raise its failure."""
         if self._busy is not None:
             await self._busy
             self._busy = None

@@ -94,10 +94,10 @@ class StubTransport:
 
 class StubTarget:
     def __init__(self, fd: int, closing: bool = False) -> None:
-        self.fd, self.transport, self.slot = fd, StubTransport(closing), -1
+        self.fd, self.transport = fd, StubTransport(closing)
 
 
-def test_batch_joins_a_connections_bodies_hands_rests_to_its_transport_and_drops_closed_ones(monkeypatch):
+def test_batch_hands_rests_to_each_transport_and_drops_closed_connections(monkeypatch):
     calls = []
 
     def fake_send(fds, bodies):
@@ -106,40 +106,42 @@ def test_batch_joins_a_connections_bodies_hands_rests_to_its_transport_and_drops
 
     monkeypatch.setattr(fanout, "send_chunks", fake_send)
     a, b, gone = StubTarget(10), StubTarget(11), StubTarget(12, closing=True)
-
-    async def run():
-        batch = fanout.Batch()
-        batch.add(a, b"one")
-        batch.add(b, b"two")
-        batch.add(gone, b"lost")
-        batch.add(a, b"+more")  # the same connection again: one frame, in order
-        assert a.slot == 0 and b.slot == 1
-        batch.send()
-        batch.send()  # nothing left: no call
-        await asyncio.sleep(0)  # the loop's own call finds the batch empty
-
-    asyncio.run(run())
+    batch = fanout.Batch()
+    batch.add(a, b"one+more")
+    batch.add(gone, b"lost")
+    batch.add(b, b"two")
+    batch.send()
+    batch.send()  # nothing left: no call
     assert calls == [([10, 11], [b"one+more", b"two"])]
     assert a.transport.written == [(b"8\r\none+more\r\n")[3:]] and b.transport.written == [b"3\r\ntwo\r\n"]
-    assert gone.transport.written == [] and a.slot == b.slot == gone.slot == -1
+    assert gone.transport.written == []
 
 
-def test_an_added_body_is_sent_on_the_next_loop_turn_without_the_dispatcher(monkeypatch):
+def test_the_round_sends_the_batch_even_when_a_flush_fails(monkeypatch):
     calls = []
     monkeypatch.setattr(fanout, "send_chunks", lambda fds, bodies: calls.append(bodies) or [])
 
-    async def run():
-        batch = fanout.Batch()
-        batch.add(StubTarget(3), b"x")
-        assert calls == []
-        await asyncio.sleep(0)
-        assert calls == [[b"x"]]
+    class Taken:
+        def flush(self):
+            fanout.BATCH.add(StubTarget(3), b"x")
 
-    asyncio.run(run())
+    class Broken:
+        def flush(self):
+            raise RuntimeError("boom")
+
+    disp = Recorder(RouterConfig())
+    try:
+        disp._held = [Taken(), Broken()]
+        with pytest.raises(RuntimeError):
+            disp._flush_held()
+    finally:
+        disp._sock.close(linger=0)
+        disp._ctx.term()
+    assert calls == [[b"x"]] and fanout.BATCH.fds == []
 
 
-async def _read_until(reader: asyncio.StreamReader, marker: bytes, buf: bytearray) -> None:
-    while marker not in buf:
+async def _read_until(reader: asyncio.StreamReader, buf: bytearray, done) -> None:
+    while not done(buf):
         chunk = await asyncio.wait_for(reader.read(65536), 5)
         assert chunk, "connection closed early"
         buf += chunk
@@ -190,19 +192,15 @@ def test_streams_through_real_uvicorn_byte_for_byte(monkeypatch, native):
         while len(disp.generates()) < 2:
             await asyncio.sleep(0.01)
         ids = [g.request_id for g in disp.generates()]
-        for reader, _, buf in clients:
-            await _read_until(reader, b"\r\n\r\n", buf)  # the headers: both streams started
+        for reader, _, buf in clients:  # the headers: both streams started
+            await _read_until(reader, buf, lambda b: b"\r\n\r\n" in b)
         for i, t in enumerate(TRICKY):
             fin = "length" if i == len(TRICKY) - 1 else None
             disp._on_tokens([ev(ids[0], i + 1, t, fin), ev(ids[1], i + 1, t[::-1], fin)])
-            if fin is None:
-                for reader, _, buf in clients:  # each token reaches its client before the next is made
-                    while buf.count(b"\n\n") < i + 1:
-                        await _read_until(reader, b"\n\n", buf)
-                        if buf.count(b"\n\n") < i + 1:
-                            buf += await asyncio.wait_for(reader.read(65536), 5)
-        for reader, writer, buf in clients:
-            await _read_until(reader, b"0\r\n\r\n", buf)
+            for reader, _, buf in clients:  # each token reaches its client before the next is made
+                await _read_until(reader, buf, (lambda b: b.endswith(b"0\r\n\r\n")) if fin else
+                                  (lambda b, n=i + 1: b.count(b"\n\n") >= n))
+        for _, writer, _ in clients:
             writer.close()
         server.should_exit = True
         await serving
