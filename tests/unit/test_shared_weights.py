@@ -63,8 +63,9 @@ def test_ranks_map_one_copy_and_decode_what_a_private_copy_decodes(tiny_model_di
         for eng, sw in ((first, a), (second, b)):
             model = eng.runner.model
             assert all(sw.holds(p) for p in model.parameters())
+            # with AMX a shape of whole 16-column tiles has an empty packed copy (nothing to hold)
             packed = [m._packed[1] for m in model.modules() if isinstance(m, Linear) and m._packed is not None]
-            assert all(sw.holds(p) for p in packed)
+            assert packed and all(sw.holds(p) for p in packed if p.numel())
             if model.cfg.tie_word_embeddings:
                 assert model.lm_head.weight is model.embed_tokens.weight
         assert _greedy(first) == reference(family)
