@@ -1,5 +1,5 @@
-/* The router's per-round fan-out of streamed tokens: one call writes one HTTP/1.1 chunk to each
- * of many sockets, without the GIL and without a Python frame per socket.
+/* The router's per-round fan-out of streamed tokens: one HTTP/1.1 chunk to each of many
+ * sockets, without the GIL and without a Python frame per socket.
  *
  * send_chunks(fds, bodies) -> list[tuple[int, int]]
  *   fds: list of int (non-blocking connected sockets), bodies: list of bytes, same length.
@@ -10,16 +10,32 @@
  *   transport, which buffers it or fails the connection as its own write would have: this call
  *   is exactly the transport's "try to send now" step, batched.
  *
+ * post(fds, bodies, wake=True) / collect() -> list[tuple[int, int]]: the same sends, pipelined
+ *   with the caller's rendering. post() queues a piece of a round (the bodies are held) and, with
+ *   wake, wakes one helper thread, which sends queued frames while the caller renders the next
+ *   piece (a helper still sending takes later pieces without a wake-up); collect()
+ *   (end of the round) sends whatever is still queued on the calling thread too, GIL released,
+ *   waits until every frame posted since the last collect() has been sent, and returns the
+ *   short ones as send_chunks does, i indexing all of them in posting order. Nothing is sent
+ *   twice or out of order on one socket as long as a round posts at most one frame a socket
+ *   (the router's rounds do) and no socket is closed between its post() and collect() (the
+ *   router's event loop thread is inside the round all that time). One queue and one helper per
+ *   process; if the helper cannot be started (or after a fork) collect() sends everything itself.
+ *
  * Built by pd_server/fanout.py with the C compiler into the pdserve cache (a CPython module).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
 
 typedef struct {
     int fd;
@@ -45,6 +61,7 @@ static Py_ssize_t send_one(item_t *it) {
 }
 
 static PyObject *send_chunks(PyObject *self, PyObject *args) {
+    (void)self;
     PyObject *fds, *bodies;
     if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &fds, &PyList_Type, &bodies)) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(fds);
@@ -92,11 +109,198 @@ done:
     return out;
 }
 
+/* ---- the pipelined sender: a queue of frames shared by the posting thread and one helper ---- */
+
+typedef struct {
+    item_t it;
+    PyObject *body; /* held until collect() */
+} job_t;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t work_cv = PTHREAD_COND_INITIALIZER; /* a job was posted */
+static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER; /* every posted job finished */
+static job_t *jobs;                                         /* [posted], grown by post() */
+/* Changed under mu; posted and finished are also read without it (__atomic) by a spinning thread. */
+static Py_ssize_t cap, posted, taken, finished;             /* taken: handed to a sender */
+static int helper_sleeping;                                 /* in cond_wait: a post must signal */
+static pid_t helper_pid;                                    /* the process whose helper runs; 0: none */
+
+/* How long a thread polls before it sleeps on a condition variable: the helper for the round's
+ * next piece (rendering one takes tens of us), collect() for the helper's one send in flight. A
+ * futex sleep and wake-up between pieces cost more than that here, on every piece. */
+#define HELPER_SPIN_NS 50000
+#define COLLECT_SPIN_NS 100000
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Polls *counter (without mu) until it differs from `from`, for at most ns; true if it did. */
+static int spin_while_equal(Py_ssize_t *counter, Py_ssize_t from, long long ns) {
+    long long until = now_ns() + ns;
+    for (int k = 0;; k++) {
+        if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) != from) return 1;
+        if ((k & 63) == 63 && now_ns() > until) return 0;
+        cpu_relax();
+    }
+}
+
+/* Sends jobs until none is left to take. Called and returns with mu held; each send runs without it. */
+static void take_jobs(void) {
+    while (taken < posted) {
+        Py_ssize_t i = taken++;
+        item_t it = jobs[i].it; /* a copy: post() may move the array meanwhile */
+        pthread_mutex_unlock(&mu);
+        Py_ssize_t sent = send_one(&it);
+        pthread_mutex_lock(&mu);
+        jobs[i].it.frame = it.frame;
+        jobs[i].it.sent = sent;
+        __atomic_store_n(&finished, finished + 1, __ATOMIC_RELEASE);
+        if (finished == posted) pthread_cond_signal(&done_cv);
+    }
+}
+
+static void *helper_main(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&mu);
+    for (;;) {
+        take_jobs();
+        Py_ssize_t seen = posted;
+        pthread_mutex_unlock(&mu);
+        spin_while_equal(&posted, seen, HELPER_SPIN_NS); /* the next piece usually comes soon */
+        pthread_mutex_lock(&mu);
+        if (taken < posted) continue;
+        helper_sleeping = 1;
+        while (taken == posted) pthread_cond_wait(&work_cv, &mu);
+        helper_sleeping = 0;
+    }
+    return NULL;
+}
+
+static void after_fork_in_child(void) {
+    /* The helper thread did not survive the fork; the queue's locks may have been held by it. */
+    pthread_mutex_init(&mu, NULL);
+    pthread_cond_init(&work_cv, NULL);
+    pthread_cond_init(&done_cv, NULL);
+    helper_pid = 0;
+}
+
+static void start_helper(void) {
+    pthread_t t;
+    pthread_attr_t attr;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old); /* the helper inherits it: signals go to Python's threads */
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, helper_main, NULL) == 0) helper_pid = getpid();
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
+static PyObject *post(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *fds, *bodies;
+    int wake = 1;
+    if (!PyArg_ParseTuple(args, "O!O!|p", &PyList_Type, &fds, &PyList_Type, &bodies, &wake)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(fds);
+    if (PyList_GET_SIZE(bodies) != n) {
+        PyErr_SetString(PyExc_ValueError, "fds and bodies differ in length");
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) { /* check everything before queueing anything */
+        if (!PyBytes_Check(PyList_GET_ITEM(bodies, k))) {
+            PyErr_SetString(PyExc_TypeError, "bodies must be bytes");
+            return NULL;
+        }
+        long fd = PyLong_AsLong(PyList_GET_ITEM(fds, k));
+        if (fd == -1 && PyErr_Occurred()) return NULL;
+    }
+    if (wake && helper_pid != getpid()) start_helper(); /* first use, or a forked child */
+    pthread_mutex_lock(&mu);
+    if (posted + n > cap) {
+        Py_ssize_t want = cap ? cap : 64;
+        while (want < posted + n) want *= 2;
+        job_t *grown = PyMem_RawRealloc(jobs, sizeof(job_t) * (size_t)want);
+        if (grown == NULL) {
+            pthread_mutex_unlock(&mu);
+            return PyErr_NoMemory();
+        }
+        jobs = grown;
+        cap = want;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *b = PyList_GET_ITEM(bodies, k);
+        job_t *j = &jobs[posted + k];
+        Py_INCREF(b);
+        j->body = b;
+        j->it.fd = (int)PyLong_AsLong(PyList_GET_ITEM(fds, k));
+        j->it.buf = PyBytes_AS_STRING(b);
+        j->it.len = PyBytes_GET_SIZE(b);
+        j->it.frame = -1;
+        j->it.sent = 0;
+    }
+    __atomic_store_n(&posted, posted + n, __ATOMIC_RELEASE);
+    int sleeping = helper_sleeping;
+    pthread_mutex_unlock(&mu);
+    /* A helper still sending, or polling, takes them without a wake-up. */
+    if (n && wake && sleeping) pthread_cond_signal(&work_cv);
+    Py_RETURN_NONE;
+}
+
+static PyObject *collect(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&mu);
+    take_jobs(); /* what the helper has not taken yet, sent from here too */
+    if (finished < posted) { /* the helper's last send: poll for it, then sleep */
+        Py_ssize_t seen = finished;
+        pthread_mutex_unlock(&mu);
+        spin_while_equal(&finished, seen, COLLECT_SPIN_NS);
+        pthread_mutex_lock(&mu);
+    }
+    while (finished < posted) pthread_cond_wait(&done_cv, &mu);
+    pthread_mutex_unlock(&mu);
+    Py_END_ALLOW_THREADS
+    /* The helper waits for posts now, and only this thread (holding the GIL) posts. */
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; i < posted; i++) {
+        if (out != NULL && jobs[i].it.sent != jobs[i].it.frame) {
+            PyObject *v = Py_BuildValue("(nn)", i, jobs[i].it.sent);
+            if (v == NULL || PyList_Append(out, v) < 0) Py_CLEAR(out);
+            Py_XDECREF(v);
+        }
+        Py_DECREF(jobs[i].body);
+    }
+    pthread_mutex_lock(&mu);
+    __atomic_store_n(&posted, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&finished, 0, __ATOMIC_RELEASE);
+    taken = 0;
+    pthread_mutex_unlock(&mu);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"send_chunks", send_chunks, METH_VARARGS, "Send one HTTP/1.1 chunk to each socket; (index, sent or -errno) of those not fully sent."},
+    {"post", post, METH_VARARGS, "Queue one HTTP/1.1 chunk for each socket; with wake (default), the helper thread starts sending them."},
+    {"collect", collect, METH_NOARGS, "Send what is still queued, wait for every posted chunk; (index, sent or -errno) of those not fully sent."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pdserve_sse_fanout", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit_pdserve_sse_fanout(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_pdserve_sse_fanout(void) {
+    pthread_atfork(NULL, NULL, after_fork_in_child);
+    return PyModule_Create(&module);
+}

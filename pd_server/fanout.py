@@ -1,14 +1,17 @@
-"""One native call per dispatcher round writes every stream's tokens (csrc/sse_fanout.c).
+"""The router's streamed tokens of one dispatcher round go out together (csrc/sse_fanout.c).
 
 A plain streamed token used to cost, per stream, uvicorn's send coroutine, the asyncio
 transport's write and a socket.send call, on the router's one thread, 256 times a step at 256
-streams before the last stream's token left (router CPU 23.3 us a token there; 19.6 us with
-this, and 0.79x the p99 added latency: docs/results/bench-router.md). Here a stream
-that takes the eager path (sse_response.SSEStream._eager) only adds (fd, body) to the round's
-`Batch`; the dispatcher's end of round (`Dispatcher._flush_held`, the only caller of the eager
-writers) sends them all with one call of `send_chunks`, each as the HTTP/1.1 chunk uvicorn would
-have written. So a body never waits in the batch while anything else could write to its
-connection, and each connection has at most one body there (its inbox is flushed once a round).
+streams before the last stream's token left. Here a stream that takes the eager path
+(sse_response.SSEStream._eager) only adds (fd, body) to the round's `Batch`. Every PIECE bodies
+the batch posts to the native sender, whose helper thread sends them (one sendmsg each, each as
+the HTTP/1.1 chunk uvicorn would have written) while the loop renders the next streams' tokens;
+the dispatcher's end of round (`Dispatcher._flush_held`, the only caller of the eager writers)
+sends the rest and waits for all of them (`Batch.send`); a round of fewer than PIECE streams
+never wakes the helper. So a body is never in flight while
+anything else could write to its connection or close it (the loop thread is inside the round
+until every body of it is sent), and each connection has at most one body in a round (its inbox
+is flushed once a round). docs/results/bench-router.md has what each step measured.
 
 Only where that is exactly what uvicorn would do (`Direct.of`): a plain-TCP asyncio transport
 of uvicorn's httptools protocol whose response is chunked, and, each round (`Direct.ready`),
@@ -18,8 +21,10 @@ transport's own write, which buffers it (the stream then goes back to uvicorn's 
 buffer drains) or fails the connection as before.
 
 The module is built once per source version with the C compiler into the pdserve cache
-(`$PDSERVE_CACHE_DIR/ext`); without a compiler the same sends run from Python (os.writev).
-`PDSERVE_NATIVE_FANOUT=0` turns the batching off (every token goes through uvicorn's send).
+(`$PDSERVE_CACHE_DIR/ext`); without a compiler the same sends run from Python (os.writev) at
+the round's end. `PDSERVE_FANOUT_THREAD=0` sends a round's bodies at its end on the loop thread
+(one native call, no helper); `PDSERVE_NATIVE_FANOUT=0` turns the batching off (every token goes
+through uvicorn's send).
 """
 from __future__ import annotations
 
@@ -85,15 +90,43 @@ def _build() -> object | None:
 
 def _load():
     try:
-        module = _build()
+        return _build()
     except Exception as e:  # noqa: BLE001 - any failure leaves the Python sends, which are correct
         log.warning("native SSE fan-out unavailable (%s); using the Python one", e)
-        module = None
-    return module.send_chunks if module is not None else _send_chunks_py
+        return None
 
 
 ENABLED = os.environ.get("PDSERVE_NATIVE_FANOUT", "1") != "0"
-send_chunks = _load() if ENABLED else _send_chunks_py
+NATIVE = _load() if ENABLED else None
+send_chunks = NATIVE.send_chunks if NATIVE is not None else _send_chunks_py
+PIECE = 8  # bodies a post() hands the helper: it starts on a round's first streams while the rest render
+
+
+class Inline:
+    """A round's sends on the calling thread at its end: one send_chunks call for every body
+    posted (without the native module, or with PDSERVE_FANOUT_THREAD=0)."""
+
+    def __init__(self) -> None:
+        self._fds: list[int] = []
+        self._bodies: list[bytes] = []
+
+    def post(self, fds: list[int], bodies: list[bytes], wake: bool = True) -> None:
+        self._fds += fds
+        self._bodies += bodies
+
+    def collect(self) -> list[tuple[int, int]]:
+        """(index among every body posted since the last collect, sent or -errno) of the short ones."""
+        fds, bodies = self._fds, self._bodies
+        self._fds, self._bodies = [], []
+        return send_chunks(fds, bodies) if fds else []
+
+
+def default_sender():
+    """The native module's pipelined sender (post/collect, a helper thread) where it is built and
+    PDSERVE_FANOUT_THREAD is not 0; else Inline."""
+    if NATIVE is not None and os.environ.get("PDSERVE_FANOUT_THREAD", "1") != "0":
+        return NATIVE
+    return Inline()
 
 
 class Direct:
@@ -130,27 +163,39 @@ class Direct:
 
 
 class Batch:
-    """The bodies of one dispatcher round, one per connection, sent by one send_chunks call."""
+    """The bodies of one dispatcher round, one per connection: posted to `sender` a PIECE at a
+    time as they are added, all sent once send() returns."""
 
-    def __init__(self) -> None:
+    def __init__(self, sender=None) -> None:
+        self.sender = sender if sender is not None else default_sender()
         self.fds: list[int] = []
         self.bodies: list[bytes] = []
         self.targets: list[Direct] = []
+        self._posted = 0  # of the bodies, handed to the sender
 
     def add(self, target: Direct, body: bytes) -> None:
+        if target.transport.is_closing():  # its fd may soon be another connection's: the body is dropped
+            return
         self.fds.append(target.fd)
         self.bodies.append(body)
         self.targets.append(target)
+        if len(self.fds) - self._posted >= PIECE:
+            k, self._posted = self._posted, len(self.fds)
+            self.sender.post(self.fds[k:], self.bodies[k:])
 
     def send(self) -> None:
+        """Send what is not posted yet and wait for every body of the round; hand each short one's
+        rest to its transport."""
         if not self.fds:
             return
-        fds, bodies, targets = self.fds, self.bodies, self.targets
-        self.fds, self.bodies, self.targets = [], [], []
-        if any(t.transport.is_closing() for t in targets):  # closed since (its fd may soon be another connection's): its body is dropped
-            keep = [i for i, t in enumerate(targets) if not t.transport.is_closing()]
-            fds, bodies, targets = [fds[i] for i in keep], [bodies[i] for i in keep], [targets[i] for i in keep]
-        for i, sent in send_chunks(fds, bodies):
+        fds, bodies, targets, posted = self.fds, self.bodies, self.targets, self._posted
+        self.fds, self.bodies, self.targets, self._posted = [], [], [], 0
+        try:
+            if posted < len(fds):  # no wake-up: this thread sends them in collect() unless a busy helper does
+                self.sender.post(fds[posted:], bodies[posted:], False)
+        finally:
+            short = self.sender.collect()  # what was posted must be sent before the loop goes on
+        for i, sent in short:
             body = bodies[i]
             frame = b"%x\r\n" % len(body) + body + b"\r\n"
             # The rest (or, after a failure, the whole frame: the transport's own send then

@@ -80,6 +80,95 @@ def test_short_writes_and_failures_are_handed_back_and_the_others_still_sent(sen
             s.close()
 
 
+@pytest.mark.skipif(fanout.NATIVE is None, reason="the native module is not built")
+def test_posted_pieces_are_sent_once_each_and_collect_reports_short_ones_by_posting_order():
+    pairs = [socket.socketpair() for _ in range(40)]
+    full_a, full_b = socket.socketpair()
+    try:
+        for a, _ in pairs:
+            a.setblocking(False)
+        full_a.setblocking(False)
+        full_a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        while True:
+            try:
+                full_a.send(b"f" * 4096)
+            except BlockingIOError:
+                break
+        for rnd in range(3):  # rounds reuse the queue
+            bodies = [b"r%d-%d " % (rnd, i) * (i + 1) for i in range(len(pairs))]
+            fds = [a.fileno() for a, _ in pairs]
+            fanout.NATIVE.post(fds[:7], bodies[:7])
+            fanout.NATIVE.post([full_a.fileno()], [b"never fits" * 10000])  # index 7
+            fanout.NATIVE.post(fds[7:], bodies[7:], rnd != 2)  # the last round: no wake-up, collect sends
+            short = fanout.NATIVE.collect()
+            assert [i for i, _ in short] == [7] and (short[0][1] == -errno.EAGAIN or short[0][1] > 0)
+            assert fanout.NATIVE.collect() == []  # nothing left over
+            for (_, b), body in zip(pairs, bodies):
+                want = b"%x\r\n" % len(body) + body + b"\r\n"
+                assert recv_exactly(b, len(want)) == want
+            for _, b in pairs:  # nothing was sent twice
+                b.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    b.recv(1)
+                b.setblocking(True)
+            while True:  # empty the full socket again for the next round
+                try:
+                    full_b.setblocking(False)
+                    full_b.recv(1 << 20)
+                except BlockingIOError:
+                    break
+            while True:
+                try:
+                    full_a.send(b"f" * 4096)
+                except BlockingIOError:
+                    break
+    finally:
+        for a, b in pairs + [(full_a, full_b)]:
+            a.close()
+            b.close()
+
+
+@pytest.mark.skipif(fanout.NATIVE is None, reason="the native module is not built")
+def test_post_checks_its_arguments_before_queueing_anything():
+    a, b = socket.socketpair()
+    try:
+        with pytest.raises(TypeError):
+            fanout.NATIVE.post([a.fileno(), a.fileno()], [b"ok", "not bytes"])
+        with pytest.raises(ValueError):
+            fanout.NATIVE.post([a.fileno()], [])
+        assert fanout.NATIVE.collect() == []
+        b.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            b.recv(1)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_batch_posts_a_piece_at_a_time_and_collects_at_the_round_end(monkeypatch):
+    monkeypatch.setattr(fanout, "PIECE", 3)
+    log = []
+
+    class Sender:
+        def post(self, fds, bodies, wake=True):
+            log.append(("post", list(fds), wake))
+
+        def collect(self):
+            log.append(("collect",))
+            return [(4, -errno.EPIPE)]  # the fifth body posted failed
+
+    batch = fanout.Batch(Sender())
+    targets = [StubTarget(20 + i) for i in range(7)]
+    for i, t in enumerate(targets):
+        batch.add(t, b"b%d" % i)
+    assert log == [("post", [20, 21, 22], True), ("post", [23, 24, 25], True)]
+    batch.send()
+    assert log[2:] == [("post", [26], False), ("collect",)]  # the rest: sent by collect's caller
+    assert targets[4].transport.written == [b"2\r\nb4\r\n"]  # handed to its transport, whole
+    assert all(t.transport.written == [] for i, t in enumerate(targets) if i != 4)
+    assert batch.fds == [] and batch._posted == 0
+
+
 class StubTransport:
     def __init__(self, closing: bool = False) -> None:
         self.written: list[bytes] = []
@@ -106,7 +195,7 @@ def test_batch_hands_rests_to_each_transport_and_drops_closed_connections(monkey
 
     monkeypatch.setattr(fanout, "send_chunks", fake_send)
     a, b, gone = StubTarget(10), StubTarget(11), StubTarget(12, closing=True)
-    batch = fanout.Batch()
+    batch = fanout.Batch(fanout.Inline())
     batch.add(a, b"one+more")
     batch.add(gone, b"lost")
     batch.add(b, b"two")
@@ -120,6 +209,7 @@ def test_batch_hands_rests_to_each_transport_and_drops_closed_connections(monkey
 def test_the_round_sends_the_batch_even_when_a_flush_fails(monkeypatch):
     calls = []
     monkeypatch.setattr(fanout, "send_chunks", lambda fds, bodies: calls.append(bodies) or [])
+    monkeypatch.setattr(fanout.BATCH, "sender", fanout.Inline())
 
     class Taken:
         def flush(self):
@@ -159,18 +249,37 @@ def _dechunk(raw: bytes) -> bytes:
         out, rest = out + rest[:n], rest[n + 2:]
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["batched", "uvicorn-send"])
-def test_streams_through_real_uvicorn_byte_for_byte(monkeypatch, native):
+class CountingSender:
+    """A sender that records how many bodies each post() gave it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.posts = inner, []
+
+    def post(self, fds, bodies, wake=True):
+        self.posts.append(len(fds))
+        self.inner.post(fds, bodies, wake)
+
+    def collect(self):
+        return self.inner.collect()
+
+
+PATHS = ["inline", "uvicorn-send"] + (["threaded"] if fanout.NATIVE is not None else [])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_streams_through_real_uvicorn_byte_for_byte(monkeypatch, path):
     """Two streams on one uvicorn server: the bodies each client reads are the same with the
-    batched writes as with uvicorn's own send, and the batched path is the one taken."""
+    batched writes (at the round's end, or pipelined through the helper thread) as with
+    uvicorn's own send, and the batched path is the one taken."""
+    native = path != "uvicorn-send"
     monkeypatch.setattr(fanout, "ENABLED", native)
+    monkeypatch.setattr(fanout, "PIECE", 1)  # the helper gets the first body before the second is rendered
+    counting = CountingSender(fanout.NATIVE if path == "threaded" else fanout.Inline())
+    monkeypatch.setattr(fanout.BATCH, "sender", counting)
     cfg = RouterConfig()
     disp = Recorder(cfg)
     tok = StubTokenizer(CHATML)
     ctx = ServerContext(cfg, MODEL, frozenset({MODEL}), tok, ChatRenderer(tok), disp.registry, disp, RouterMetrics())
-    sent = []
-    real = fanout.send_chunks
-    monkeypatch.setattr(fanout, "send_chunks", lambda fds, bodies: sent.append(len(fds)) or real(fds, bodies))
 
     async def run():
         with socket.socket() as s:
@@ -216,6 +325,6 @@ def test_streams_through_real_uvicorn_byte_for_byte(monkeypatch, native):
         assert [e["choices"][0]["text"] for e in events if e["choices"][0]["finish_reason"] is None] == texts
         assert events[-1]["choices"][0]["finish_reason"] == "length" and body.endswith(sse.DONE)
     if native:
-        assert sent and max(sent) == 2  # both streams' tokens went out in one call
+        assert counting.posts and set(counting.posts) == {1}  # each body posted as it was rendered
     else:
-        assert sent == []
+        assert counting.posts == []
