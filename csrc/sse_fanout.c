@@ -34,7 +34,6 @@
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
-#include <time.h>
 #include <unistd.h>
 
 typedef struct {
@@ -120,40 +119,9 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t work_cv = PTHREAD_COND_INITIALIZER; /* a job was posted */
 static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER; /* every posted job finished */
 static job_t *jobs;                                         /* [posted], grown by post() */
-/* Changed under mu; posted and finished are also read without it (__atomic) by a spinning thread. */
 static Py_ssize_t cap, posted, taken, finished;             /* taken: handed to a sender */
 static int helper_sleeping;                                 /* in cond_wait: a post must signal */
 static pid_t helper_pid;                                    /* the process whose helper runs; 0: none */
-
-/* How long a thread polls before it sleeps on a condition variable: the helper for the round's
- * next piece (rendering one takes tens of us), collect() for the helper's one send in flight. A
- * futex sleep and wake-up between pieces cost more than that here, on every piece. */
-#define HELPER_SPIN_NS 50000
-#define COLLECT_SPIN_NS 100000
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-static long long now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
-}
-
-/* Polls *counter (without mu) until it differs from `from`, for at most ns; true if it did. */
-static int spin_while_equal(Py_ssize_t *counter, Py_ssize_t from, long long ns) {
-    long long until = now_ns() + ns;
-    for (int k = 0;; k++) {
-        if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) != from) return 1;
-        if ((k & 63) == 63 && now_ns() > until) return 0;
-        cpu_relax();
-    }
-}
 
 /* Sends jobs until none is left to take. Called and returns with mu held; each send runs without it. */
 static void take_jobs(void) {
@@ -165,8 +133,7 @@ static void take_jobs(void) {
         pthread_mutex_lock(&mu);
         jobs[i].it.frame = it.frame;
         jobs[i].it.sent = sent;
-        __atomic_store_n(&finished, finished + 1, __ATOMIC_RELEASE);
-        if (finished == posted) pthread_cond_signal(&done_cv);
+        if (++finished == posted) pthread_cond_signal(&done_cv);
     }
 }
 
@@ -175,11 +142,8 @@ static void *helper_main(void *arg) {
     pthread_mutex_lock(&mu);
     for (;;) {
         take_jobs();
-        Py_ssize_t seen = posted;
-        pthread_mutex_unlock(&mu);
-        spin_while_equal(&posted, seen, HELPER_SPIN_NS); /* the next piece usually comes soon */
-        pthread_mutex_lock(&mu);
-        if (taken < posted) continue;
+        /* No polling for the next piece: on a machine with few cores a polling helper takes the
+         * core the readers of its sockets need (measured: docs/results/bench-router.md). */
         helper_sleeping = 1;
         while (taken == posted) pthread_cond_wait(&work_cv, &mu);
         helper_sleeping = 0;
@@ -250,10 +214,10 @@ static PyObject *post(PyObject *self, PyObject *args) {
         j->it.frame = -1;
         j->it.sent = 0;
     }
-    __atomic_store_n(&posted, posted + n, __ATOMIC_RELEASE);
+    posted += n;
     int sleeping = helper_sleeping;
     pthread_mutex_unlock(&mu);
-    /* A helper still sending, or polling, takes them without a wake-up. */
+    /* A helper still sending takes them without a wake-up. */
     if (n && wake && sleeping) pthread_cond_signal(&work_cv);
     Py_RETURN_NONE;
 }
@@ -264,12 +228,6 @@ static PyObject *collect(PyObject *self, PyObject *noargs) {
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&mu);
     take_jobs(); /* what the helper has not taken yet, sent from here too */
-    if (finished < posted) { /* the helper's last send: poll for it, then sleep */
-        Py_ssize_t seen = finished;
-        pthread_mutex_unlock(&mu);
-        spin_while_equal(&finished, seen, COLLECT_SPIN_NS);
-        pthread_mutex_lock(&mu);
-    }
     while (finished < posted) pthread_cond_wait(&done_cv, &mu);
     pthread_mutex_unlock(&mu);
     Py_END_ALLOW_THREADS
@@ -284,9 +242,7 @@ static PyObject *collect(PyObject *self, PyObject *noargs) {
         Py_DECREF(jobs[i].body);
     }
     pthread_mutex_lock(&mu);
-    __atomic_store_n(&posted, 0, __ATOMIC_RELEASE);
-    __atomic_store_n(&finished, 0, __ATOMIC_RELEASE);
-    taken = 0;
+    posted = taken = finished = 0;
     pthread_mutex_unlock(&mu);
     return out;
 }

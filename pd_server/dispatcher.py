@@ -271,6 +271,7 @@ class Dispatcher:
     def _flush_held(self) -> None:
         """End of a receive round: every inbox holding events hands them to its stream at once."""
         held, self._held = self._held, []
+        fanout.BATCH.begin(len(held))
         try:
             for inbox in held:
                 inbox.flush()

@@ -4,11 +4,11 @@ A plain streamed token used to cost, per stream, uvicorn's send coroutine, the a
 transport's write and a socket.send call, on the router's one thread, 256 times a step at 256
 streams before the last stream's token left. Here a stream that takes the eager path
 (sse_response.SSEStream._eager) only adds (fd, body) to the round's `Batch`. Every PIECE bodies
-the batch posts to the native sender, whose helper thread sends them (one sendmsg each, each as
+of a large round the batch posts to the native sender, whose helper thread sends them (one sendmsg each, each as
 the HTTP/1.1 chunk uvicorn would have written) while the loop renders the next streams' tokens;
 the dispatcher's end of round (`Dispatcher._flush_held`, the only caller of the eager writers)
-sends the rest and waits for all of them (`Batch.send`); a round of fewer than PIECE streams
-never wakes the helper. So a body is never in flight while
+sends the rest and waits for all of them (`Batch.send`). A round of fewer than PIPELINE_STREAMS
+streams never wakes the helper: all its bodies go out at its end from the loop thread. So a body is never in flight while
 anything else could write to its connection or close it (the loop thread is inside the round
 until every body of it is sent), and each connection has at most one body in a round (its inbox
 is flushed once a round). docs/results/bench-router.md has what each step measured.
@@ -100,6 +100,9 @@ ENABLED = os.environ.get("PDSERVE_NATIVE_FANOUT", "1") != "0"
 NATIVE = _load() if ENABLED else None
 send_chunks = NATIVE.send_chunks if NATIVE is not None else _send_chunks_py
 PIECE = 8  # bodies a post() hands the helper: it starts on a round's first streams while the rest render
+# Rounds of fewer streams send everything at their end on the loop thread: at 64 streams the
+# helper lowered no latency and cost 16% more router CPU a token (docs/results/bench-router.md).
+PIPELINE_STREAMS = 128
 
 
 class Inline:
@@ -172,6 +175,12 @@ class Batch:
         self.bodies: list[bytes] = []
         self.targets: list[Direct] = []
         self._posted = 0  # of the bodies, handed to the sender
+        self._piece = PIECE  # bodies a post; sys.maxsize: none before send()
+
+    def begin(self, streams: int) -> None:
+        """A round that may add up to `streams` bodies starts: pieces go to the sender as they
+        are added only in a round of at least PIPELINE_STREAMS."""
+        self._piece = PIECE if streams >= PIPELINE_STREAMS else sys.maxsize
 
     def add(self, target: Direct, body: bytes) -> None:
         if target.transport.is_closing():  # its fd may soon be another connection's: the body is dropped
@@ -179,7 +188,7 @@ class Batch:
         self.fds.append(target.fd)
         self.bodies.append(body)
         self.targets.append(target)
-        if len(self.fds) - self._posted >= PIECE:
+        if len(self.fds) - self._posted >= self._piece:
             k, self._posted = self._posted, len(self.fds)
             self.sender.post(self.fds[k:], self.bodies[k:])
 

@@ -159,6 +159,7 @@ def test_batch_posts_a_piece_at_a_time_and_collects_at_the_round_end(monkeypatch
 
     batch = fanout.Batch(Sender())
     targets = [StubTarget(20 + i) for i in range(7)]
+    batch.begin(fanout.PIPELINE_STREAMS)
     for i, t in enumerate(targets):
         batch.add(t, b"b%d" % i)
     assert log == [("post", [20, 21, 22], True), ("post", [23, 24, 25], True)]
@@ -167,6 +168,12 @@ def test_batch_posts_a_piece_at_a_time_and_collects_at_the_round_end(monkeypatch
     assert targets[4].transport.written == [b"2\r\nb4\r\n"]  # handed to its transport, whole
     assert all(t.transport.written == [] for i, t in enumerate(targets) if i != 4)
     assert batch.fds == [] and batch._posted == 0
+    del log[:]
+    batch.begin(fanout.PIPELINE_STREAMS - 1)  # a small round: everything at its end, no wake-up
+    for t in targets:
+        batch.add(t, b"x")
+    batch.send()
+    assert log == [("post", [t.fd for t in targets], False), ("collect",)]
 
 
 class StubTransport:
@@ -274,6 +281,7 @@ def test_streams_through_real_uvicorn_byte_for_byte(monkeypatch, path):
     native = path != "uvicorn-send"
     monkeypatch.setattr(fanout, "ENABLED", native)
     monkeypatch.setattr(fanout, "PIECE", 1)  # the helper gets the first body before the second is rendered
+    monkeypatch.setattr(fanout, "PIPELINE_STREAMS", 1)
     counting = CountingSender(fanout.NATIVE if path == "threaded" else fanout.Inline())
     monkeypatch.setattr(fanout.BATCH, "sender", counting)
     cfg = RouterConfig()
