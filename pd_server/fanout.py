@@ -3,15 +3,16 @@
 A plain streamed token used to cost, per stream, uvicorn's send coroutine, the asyncio
 transport's write and a socket.send call, on the router's one thread, 256 times a step at 256
 streams before the last stream's token left. Here a stream that takes the eager path
-(sse_response.SSEStream._eager) only adds (fd, body) to the round's `Batch`. Every PIECE bodies
-of a large round the batch posts to the native sender, whose helper thread sends them (one sendmsg each, each as
-the HTTP/1.1 chunk uvicorn would have written) while the loop renders the next streams' tokens;
-the dispatcher's end of round (`Dispatcher._flush_held`, the only caller of the eager writers)
-sends the rest and waits for all of them (`Batch.send`). A round of fewer than PIPELINE_STREAMS
-streams never wakes the helper: all its bodies go out at its end from the loop thread. So a body is never in flight while
-anything else could write to its connection or close it (the loop thread is inside the round
-until every body of it is sent), and each connection has at most one body in a round (its inbox
-is flushed once a round). docs/results/bench-router.md has what each step measured.
+(sse_response.SSEStream._eager) only adds (fd, body) to the round's `Batch`. In a round of at
+least PIPELINE_STREAMS streams, every PIECE bodies go to the native sender, whose helper thread
+sends them (one sendmsg each, each as the HTTP/1.1 chunk uvicorn would have written) while the
+loop renders the next streams' tokens; the dispatcher's end of round (`Dispatcher._flush_held`,
+the only caller of the eager writers) sends the rest and waits for all of them (`Batch.send`).
+A smaller round never wakes the helper: all its bodies go out at its end from the loop thread.
+So a body is never in flight while anything else could write to its connection or close it
+(the loop thread is inside the round until every body of it is sent), and each connection has
+at most one body in a round (its inbox is flushed once a round). docs/results/bench-router.md
+has what each step measured.
 
 Only where that is exactly what uvicorn would do (`Direct.of`): a plain-TCP asyncio transport
 of uvicorn's httptools protocol whose response is chunked, and, each round (`Direct.ready`),
