@@ -123,17 +123,27 @@ static Py_ssize_t cap, posted, taken, finished;             /* taken: handed to 
 static int helper_sleeping;                                 /* in cond_wait: a post must signal */
 static pid_t helper_pid;                                    /* the process whose helper runs; 0: none */
 
-/* Sends jobs until none is left to take. Called and returns with mu held; each send runs without it. */
+/* Jobs a sender takes at once: one lock round trip for up to this many sends, few enough that
+ * the helper and collect()'s caller still share a round's last ones. */
+#define TAKE_MAX 8
+
+/* Sends jobs until none is left to take. Called and returns with mu held; the sends run without it. */
 static void take_jobs(void) {
+    item_t local[TAKE_MAX]; /* copies: post() may move the array meanwhile */
     while (taken < posted) {
-        Py_ssize_t i = taken++;
-        item_t it = jobs[i].it; /* a copy: post() may move the array meanwhile */
+        Py_ssize_t first = taken, n = posted - taken;
+        if (n > TAKE_MAX) n = TAKE_MAX;
+        taken += n;
+        for (Py_ssize_t k = 0; k < n; k++) local[k] = jobs[first + k].it;
         pthread_mutex_unlock(&mu);
-        Py_ssize_t sent = send_one(&it);
+        for (Py_ssize_t k = 0; k < n; k++) local[k].sent = send_one(&local[k]);
         pthread_mutex_lock(&mu);
-        jobs[i].it.frame = it.frame;
-        jobs[i].it.sent = sent;
-        if (++finished == posted) pthread_cond_signal(&done_cv);
+        for (Py_ssize_t k = 0; k < n; k++) {
+            jobs[first + k].it.frame = local[k].frame;
+            jobs[first + k].it.sent = local[k].sent;
+        }
+        finished += n;
+        if (finished == posted) pthread_cond_signal(&done_cv);
     }
 }
 
