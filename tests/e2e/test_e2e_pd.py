@@ -218,13 +218,16 @@ def test_abort_while_decoding_frees_both_ranks(request, backend):
 @BOTH
 def test_abort_while_prefilling_frees_both_ranks(request, backend, engine):
     pd = system_for(request, backend)
-    # ~1400 tokens: seconds of prefill on a busy CPU. The leading token keeps it out of the
-    # host prefix cache (an earlier test prefills the same text; a hit would end prefill at once).
-    ids = [4242] + prompts(engine)[2] * 2
+    # ~2800 tokens: a second or more of prefill even with AMX (~1400 took under the 0.5 s
+    # between two rank stats there, so "running" was never seen). The leading token keeps it
+    # out of the host prefix cache (an earlier test prefills the same text; a hit would end
+    # prefill at once). The router's inflight count is exact (a PD prefill rank holds a request
+    # until its first token); the rank's own running count is sampled every 0.5 s.
+    ids = [4242] + prompts(engine)[2] * 4
     cm, r = _stream(pd, {"prompt": ids, "max_tokens": 50})
     try:
-        pd.wait_until(lambda: any(x["role"] == "prefill" and x["running"] for x in pd.ranks().values()), 20,
-                      "the prompt to be prefilling")
+        pd.wait_until(lambda: any(x["role"] == "prefill" and (x["running"] or x["inflight"])
+                                  for x in pd.ranks().values()), 20, "the prompt to be prefilling")
     finally:
         cm.__exit__(None, None, None)
     pd.wait_until(lambda: idle(pd), 30, "both ranks idle after a disconnect while prefilling")
@@ -270,7 +273,7 @@ def test_killed_decode_rank_fails_its_requests_fast_and_the_rest_serve(pd_shm, e
 
 def test_killed_prefill_rank_fails_its_requests_fast_and_the_rest_serve(pd_shm, engine):
     """Kills prefill-1 (pd_shm's last test)."""
-    ids = prompts(engine)[2] * 2
+    ids = prompts(engine)[2] * 4  # ~2800 tokens: over a second of prefill even with AMX
     results: list[httpx.Response] = []
 
     def run(i: int) -> None:
@@ -280,8 +283,9 @@ def test_killed_prefill_rank_fails_its_requests_fast_and_the_rest_serve(pd_shm, 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    pd_shm.wait_until(lambda: all(x["running"] for x in pd_shm.ranks().values() if x["role"] == "prefill"), 30,
-                      "both prefill ranks prefilling")
+    # inflight (router-side, exact) or running (the rank's stats, sampled every 0.5 s)
+    pd_shm.wait_until(lambda: all(x["running"] or x["inflight"] for x in pd_shm.ranks().values()
+                                  if x["role"] == "prefill"), 30, "both prefill ranks prefilling")
     os.kill(pd_shm.ranks()["prefill-1"]["pid"], signal.SIGKILL)
     t0 = time.monotonic()
     # NOTE: the request on prefill-0 may finish first (2 tokens): wait for the failure itself.
