@@ -276,7 +276,7 @@ class Dispatcher:
             for inbox in held:
                 inbox.flush()
         finally:
-            fanout.BATCH.send()  # the eager streams' bodies, one native call for all
+            fanout.BATCH.send()  # the eager streams' bodies: the rest sent, all waited for
 
     def _observe_itl(self, samples: list[float]) -> None:
         self.metrics.itl.observe_all(samples)

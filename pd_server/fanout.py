@@ -184,8 +184,8 @@ class Batch:
         self._piece = PIECE if streams >= PIPELINE_STREAMS else sys.maxsize
 
     def add(self, target: Direct, body: bytes) -> None:
-        if target.transport.is_closing():  # its fd may soon be another connection's: the body is dropped
-            return
+        """Precondition: target.ready() in this round (a closing connection's fd may soon be
+        another's; nothing in a round closes one, so the check before add() holds until send())."""
         self.fds.append(target.fd)
         self.bodies.append(body)
         self.targets.append(target)

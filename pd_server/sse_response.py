@@ -9,8 +9,8 @@ Per stream, in order:
      send, straight to the server's send (`SERVER_SEND` below). While the task waits with
      nothing pending, a plain token (renderer.fast) is written by the dispatcher's own call
      instead (Inbox.eager): no wake-up of the task per token. Where uvicorn would write it at
-     once (fanout.Direct), those bytes join the round's fanout.BATCH, which the dispatcher
-     writes for every stream with one native call at the end of the round. The server's send is a
+     once (fanout.Direct), those bytes join the round's fanout.BATCH, which sends every stream's
+     from native code before the dispatcher's round ends. The server's send is a
      coroutine that finishes without waiting unless the client stopped reading (flow
      control); it is run one step in place, and only if it waits does the rest go to a task
      (`_Rest`), which later events then wait for, so the order on the wire never changes;
@@ -147,7 +147,7 @@ class SSEStream(Response):
             return False
         direct = self._direct
         if direct is not None and direct.ready():
-            fanout.BATCH.add(direct, b"".join(out))  # sent with every other stream's at the round's end
+            fanout.BATCH.add(direct, b"".join(out))  # sent within this round (fanout.Batch)
             return True
         coro = self._out({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         try:

@@ -189,11 +189,11 @@ class StubTransport:
 
 
 class StubTarget:
-    def __init__(self, fd: int, closing: bool = False) -> None:
-        self.fd, self.transport = fd, StubTransport(closing)
+    def __init__(self, fd: int) -> None:
+        self.fd, self.transport = fd, StubTransport()
 
 
-def test_batch_hands_rests_to_each_transport_and_drops_closed_connections(monkeypatch):
+def test_batch_hands_rests_to_each_transport(monkeypatch):
     calls = []
 
     def fake_send(fds, bodies):
@@ -201,16 +201,45 @@ def test_batch_hands_rests_to_each_transport_and_drops_closed_connections(monkey
         return [(0, 3), (1, -errno.EAGAIN)]  # the first took 3 bytes, the second none
 
     monkeypatch.setattr(fanout, "send_chunks", fake_send)
-    a, b, gone = StubTarget(10), StubTarget(11), StubTarget(12, closing=True)
+    a, b = StubTarget(10), StubTarget(11)
     batch = fanout.Batch(fanout.Inline())
     batch.add(a, b"one+more")
-    batch.add(gone, b"lost")
     batch.add(b, b"two")
     batch.send()
     batch.send()  # nothing left: no call
     assert calls == [([10, 11], [b"one+more", b"two"])]
     assert a.transport.written == [(b"8\r\none+more\r\n")[3:]] and b.transport.written == [b"3\r\ntwo\r\n"]
-    assert gone.transport.written == []
+
+
+class StubCycle:
+    def __init__(self) -> None:
+        self.disconnected = self.response_complete = False
+        self.flow = type("Flow", (), {"write_paused": False})()
+
+
+class BufferedTransport(StubTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffered = 0
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+
+def test_a_closing_or_busy_connection_is_not_ready_so_gets_no_body_in_the_batch():
+    """Direct.ready is the gate before Batch.add: a closing connection (its fd may soon be
+    another's), buffered bytes, a paused or finished response never take the direct path."""
+    cycle, transport = StubCycle(), BufferedTransport()
+    d = fanout.Direct(cycle, transport, 9)
+    assert d.ready()
+    for obj, attr, spoiled in ((transport, "closing", True), (transport, "buffered", 5),
+                               (cycle.flow, "write_paused", True), (cycle, "disconnected", True),
+                               (cycle, "response_complete", True)):
+        good = getattr(obj, attr)
+        setattr(obj, attr, spoiled)
+        assert not d.ready(), attr
+        setattr(obj, attr, good)
+        assert d.ready()
 
 
 def test_the_round_sends_the_batch_even_when_a_flush_fails(monkeypatch):
