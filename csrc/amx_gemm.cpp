@@ -11,11 +11,19 @@
 // block (16 KB) stays in L1 while the span's 32-row blocks of x stream past it, 2 x 2
 // tiles, one TDPBF16PS per 32 k per C tile (partial sums kept in fp32 between slices).
 //
+// A weight the model keeps can be packed once at load instead (amx_gemm_pack: the same
+// blocks, all of them, in one buffer), which saves a pass over w per call. The gated form
+// (a gated MLP's gate|up weight [2 I, K]) pairs gate rows 16 b.. with up rows I + 16 b.. in
+// block b, so a block's two C tiles are the gate and up sums of the same 16 outputs, and the
+// epilogue writes act(gate) * up (act_vec.h) instead of [M, 2 I] for act_and_mul to re-read.
+//
 // Numerics are small_linear's exactly: C[m][n] accumulates in fp32, one TDPBF16PS
 // per 32 k in increasing k, products of the same pairs in the same order (the
 // instruction is symmetric in its two sources), bias added once, one rounding to
 // bf16 (RNE). So a row's output does not depend on M, on its position, or on the
-// thread count, and equals what small_linear's decode path gives it.
+// thread count, and equals what small_linear's decode path gives it. The gated epilogue
+// rounds gate and up as that store does and then computes act_and_mul's roundings (act_vec.h),
+// so it gives small_linear followed by act_and_mul bit for bit.
 #include "amx_gemm.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
@@ -27,7 +35,9 @@
 #include <cstring>
 #include <vector>
 
+#include "act_vec.h"
 #include "amx_tiles.h"
+#include "bf16_vec.h"
 
 namespace pdserve {
 namespace {
@@ -73,7 +83,7 @@ void pack_w16(const c10::BFloat16* w, int64_t K, uint32_t* wp, int64_t step) {
     __m512i r[16];
     for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(w + n * K + kc * 32);
     transpose16(r);
-    for (int kp = 0; kp < 16; ++kp) _mm512_store_si512(wp + kc * step + kp * 16, r[kp]);
+    for (int kp = 0; kp < 16; ++kp) _mm512_storeu_si512(wp + kc * step + kp * 16, r[kp]);
   }
 }
 
@@ -121,14 +131,62 @@ inline void tiles_m(int mb, const c10::BFloat16* x0, const c10::BFloat16* x1, in
   else tiles<NB, 1>(x0, x1, K, wp, kc0, kc1, c, first);
 }
 
-}  // namespace
+// Block blk of the GEMM's copy of w (see amx_gemm_pack) into wp.
+void pack_block(const c10::BFloat16* w, int64_t N, int64_t K, int64_t blk, bool gated, uint32_t* wp) {
+  // [kc][tile][16 kp][16 n] so a kc step reads a block's B tiles adjacently.
+  if (gated) {
+    pack_w16(w + blk * 16 * K, K, wp, 2 * 256);
+    pack_w16(w + (N / 2 + blk * 16) * K, K, wp + 256, 2 * 256);
+    return;
+  }
+  const int64_t n0 = blk * kBlockN;
+  const int nb = (int)std::min<int64_t>(2, (N / 16 * 16 - n0) / 16);
+  for (int t = 0; t < nb; ++t) pack_w16(w + (n0 + t * 16) * K, K, wp + t * 256, nb * 256);
+}
 
-bool amx_gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
-              int64_t M, int64_t N, int64_t K) {
-  if (K % 32 || N < 16 || M < 1 || !amx::permitted()) return false;
-  const int64_t n16 = N / 16 * 16;
+// out rows [m0, m1) x the block's columns from the fp32 sums c (rows from m0, kBlockN apart):
+// plus bias, one rounding (plain); or gate and up rounded as that store rounds them, then
+// act_and_mul's two roundings (gated: c's first 16 columns are gate, the next 16 up).
+template <int Epi>
+inline void store_rows(const float* c, const c10::BFloat16* bias, c10::BFloat16* out, int64_t ldo, int64_t m0,
+                       int64_t m1, int nb) {
+  if constexpr (Epi == kGemmPlain) {
+    __m512 bv[2];
+    for (int t = 0; t < nb; ++t)
+      bv[t] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + t * 16))), 16))
+                   : _mm512_setzero_ps();
+    for (int64_t m = m0; m < m1; ++m)
+      for (int t = 0; t < nb; ++t) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(c + (m - m0) * kBlockN + t * 16), bv[t]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + t * 16), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+  } else {
+    (void)bias, (void)nb;
+    const vec::f32x16 zero{};  // + 0 as the plain store adds a missing bias (-0 becomes +0)
+    for (int64_t m = m0; m < m1; ++m) {
+      vec::f32x16 g, u;
+      std::memcpy(&g, c + (m - m0) * kBlockN, sizeof g);
+      std::memcpy(&u, c + (m - m0) * kBlockN + 16, sizeof u);
+      g = vec::round_bf16(g + zero);
+      u = vec::round_bf16(u + zero);
+      vec::store_bf16(out + m * ldo, act::gated16<Epi == kGemmGatedGelu>(g, u));
+    }
+  }
+}
+
+template <int Epi>
+void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
+          int64_t M, int64_t N, int64_t K, const uint32_t* prepacked) {
+  // Plain: blocks of 32 w rows over the columns [0, N / 16 * 16), the last one 16 rows if N / 16
+  // is odd. Gated: N = 2 I, block b = gate rows 16 b.. and up rows I + 16 b.. (2 tiles, 16 outputs).
+  const bool gated = Epi != kGemmPlain;
+  const int64_t cols = gated ? N / 2 : N / 16 * 16;  // output columns computed
+  const int64_t ldo = gated ? N / 2 : N;
+  const int64_t step_cols = gated ? 16 : kBlockN;  // output columns per block
   const int64_t kcs = K / 32;
-  const int64_t nblocks = (n16 + kBlockN - 1) / kBlockN;
+  const int64_t nblocks = (cols + step_cols - 1) / step_cols;
+  const int64_t block_words = kBlockN * K / 2;
   // x rows past the last full 16 are copied into a zero-padded tail so tile loads
   // never read past x.
   const int64_t mfull = M / 16 * 16;
@@ -138,27 +196,34 @@ bool amx_gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
     std::memcpy(tail.data(), x + mfull * K, (M - mfull) * K * sizeof(c10::BFloat16));
   }
   // x is read in spans of rows that fit in L2 with room to spare (at least one 32-row
-  // block); a thread packs its w blocks during the first span and keeps them for the rest.
+  // block); without a packed copy a thread packs its w blocks during the first span and keeps them.
   const int64_t span = std::max<int64_t>(kBlockM, (kSpanBytes / (K * 2)) / kBlockM * kBlockM);
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     amx::load_tile_config();
-    const int64_t block_words = kBlockN * K / 2;
+    uint32_t* packed = nullptr;
     thread_local std::vector<uint32_t> wbuf;
-    wbuf.resize(static_cast<size_t>((b1 - b0) * block_words + 16));
-    uint32_t* packed = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t(63));
+    if (!prepacked) {
+      wbuf.resize(static_cast<size_t>((b1 - b0) * block_words + 16));
+      packed = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t(63));
+    }
     thread_local std::vector<float> cbuf;
     cbuf.resize(static_cast<size_t>((span + kBlockM) * kBlockN + 16));
     float* c = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cbuf.data()) + 63) & ~uintptr_t(63));
     for (int64_t s0 = 0; s0 < M; s0 += span) {
       const int64_t s1 = std::min<int64_t>(M, s0 + span);
       for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t n0 = blk * kBlockN;
-        const int nb = (int)std::min<int64_t>(2, (n16 - n0) / 16);
-        uint32_t* wp = packed + (blk - b0) * block_words;
-        // Packed as [kc][tile][16 kp][16 n] so a kc step reads both B tiles adjacently.
-        if (s0 == 0)
-          for (int t = 0; t < nb; ++t) pack_w16(w + (n0 + t * 16) * K, K, wp + t * 256, nb * 256);
-        // k in slices whose w block (16 KB) stays in L1 while the x rows stream past it.
+        const int64_t n0 = blk * step_cols;
+        const int nb = gated ? 2 : (int)std::min<int64_t>(2, (cols - n0) / 16);
+        const uint32_t* wp;
+        if (prepacked) {
+          wp = prepacked + blk * block_words;
+        } else {
+          uint32_t* own = packed + (blk - b0) * block_words;
+          if (s0 == 0) pack_block(w, N, K, blk, gated, own);
+          wp = own;
+        }
+        // k in slices whose w block (16 KB) stays in L1 while the x rows stream past it; a
+        // 32-row block's outputs are stored as soon as its last slice is summed (c still in L1).
         for (int64_t kc0 = 0; kc0 < kcs; kc0 += kSliceKc) {
           const int64_t kc1 = std::min<int64_t>(kcs, kc0 + kSliceKc);
           for (int64_t m0 = s0; m0 < s1; m0 += kBlockM) {
@@ -169,23 +234,40 @@ bool amx_gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
             float* cm = c + (m0 - s0) * kBlockN;
             if (nb == 2) tiles_m<2>(mb, a0, a1, K, wp, kc0, kc1, cm, kc0 == 0);
             else tiles_m<1>(mb, a0, a1, K, wp, kc0, kc1, cm, kc0 == 0);
+            if (kc1 == kcs)
+              store_rows<Epi>(cm, bias ? bias + n0 : nullptr, out + n0, ldo, m0, std::min<int64_t>(s1, m0 + kBlockM), nb);
           }
         }
-        __m512 bv[2];
-        for (int t = 0; t < nb; ++t)
-          bv[t] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                             reinterpret_cast<const __m256i*>(bias + n0 + t * 16))), 16))
-                       : _mm512_setzero_ps();
-        for (int64_t m = s0; m < s1; ++m)
-          for (int t = 0; t < nb; ++t) {
-            const __m512 v = _mm512_add_ps(_mm512_load_ps(c + (m - s0) * kBlockN + t * 16), bv[t]);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * N + n0 + t * 16),
-                                (__m256i)_mm512_cvtneps_pbh(v));
-          }
       }
     }
     _tile_release();
   });
+}
+
+}  // namespace
+
+int64_t amx_gemm_packed_words(int64_t N, int64_t K, bool gated) {
+  if (K % 32 || K < 32 || (gated ? N % 32 : N < 16)) return 0;
+  const int64_t blocks = gated ? N / 32 : (N / 16 * 16 + kBlockN - 1) / kBlockN;
+  return blocks * kBlockN * K / 2;
+}
+
+void amx_gemm_pack(const c10::BFloat16* w, int64_t N, int64_t K, bool gated, uint32_t* out) {
+  const int64_t words = amx_gemm_packed_words(N, K, gated);
+  if (!words) return;
+  const int64_t block_words = kBlockN * K / 2;
+  at::parallel_for(0, words / block_words, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) pack_block(w, N, K, b, gated, out + b * block_words);
+  });
+}
+
+bool amx_gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
+              int64_t M, int64_t N, int64_t K, const uint32_t* packed, int epi) {
+  if (K % 32 || N < 16 || M < 1 || !amx::permitted()) return false;
+  if (epi != kGemmPlain && (N % 32 || bias)) return false;
+  if (epi == kGemmPlain) gemm<kGemmPlain>(x, w, bias, out, M, N, K, packed);
+  else if (epi == kGemmGatedSilu) gemm<kGemmGatedSilu>(x, w, nullptr, out, M, N, K, packed);
+  else gemm<kGemmGatedGelu>(x, w, nullptr, out, M, N, K, packed);
   return true;
 }
 
@@ -195,9 +277,11 @@ bool amx_gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat1
 
 namespace pdserve {
 bool amx_gemm(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t,
-              int64_t) {
+              int64_t, const uint32_t*, int) {
   return false;
 }
+int64_t amx_gemm_packed_words(int64_t, int64_t, bool) { return 0; }
+void amx_gemm_pack(const c10::BFloat16*, int64_t, int64_t, bool, uint32_t*) {}
 }  // namespace pdserve
 
 #endif

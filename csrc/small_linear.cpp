@@ -16,8 +16,8 @@
 //  * AMX (when compiled in, K % 32 == 0, and the kernel grants AMX state): 16 W
 //    rows are one A tile exactly as they lie in memory; x is packed once per call
 //    into the VNNI B tile layout; one TDPBF16PS per 32 k (csrc/amx_rows.cpp; above
-//    kGemmRows rows the GEMM of csrc/amx_gemm.cpp). Rows past the last full 16 take the
-//    AVX-512 path.
+//    kGemmRows rows the GEMM of csrc/amx_gemm.cpp, above kGemmRowsCopy rows where the
+//    caller passes the weight's GEMM copy). Rows past the last full 16 take the AVX-512 path.
 //  * AVX512-BF16 on w packed once per weight (pack_linear_weight; the Linear layer keeps
 //    the copy; csrc/packed_linear.cpp): panels of 64 output columns with k in pairs,
 //    x's pairs broadcast against four zmm of a panel (vdpbf16ps), 6 x rows x 4 zmm per
@@ -69,6 +69,11 @@ using linear::run_packed;
 // faster up to 64-128 rows (packing costs a pass over w) and at any row count tried (33-256)
 // for a 49,152 x 576 vocabulary head; the GEMM from 128-256 rows on for the layer shapes.
 constexpr int64_t kGemmRows = 128;
+// With the weight's GEMM copy (pack_amx_gemm_weight, made at load) nothing is packed per call, and
+// the GEMM reads w as one sequential stream of B tiles: faster than the 16-row W tiles from 17 rows
+// on (30 layers of SmolLM2 from memory, one thread: 0.96x at 16 rows, 0.84x at 32, 0.68x at 128;
+// 1.01-1.06x at 1-8 rows).
+constexpr int64_t kGemmRowsCopy = 16;
 constexpr int64_t kGemmMaxWeights = 8 << 20;
 
 }  // namespace
@@ -154,8 +159,59 @@ at::Tensor small_linear_gated_cpu(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
+// The AMX GEMM's copy of w (amx_gemm_pack), made once where the GEMM runs this shape: int32
+// words; empty where it does not (no AMX, K % 32 != 0, N < 16, more than kGemmMaxWeights; gated:
+// 2 I rows with I % 16 != 0).
+at::Tensor pack_amx_gemm_weight_cpu(const at::Tensor& w, bool gated) {
+  check_weight(w, "pack_amx_gemm_weight");
+  const int64_t N = w.size(0), K = w.size(1);
+  int64_t words = 0;
+#if defined(PDSERVE_AMX)
+  if (amx::permitted() && N * K <= kGemmMaxWeights) words = amx_gemm_packed_words(N, K, gated);
+#endif
+  at::Tensor out = at::empty({words}, w.options().dtype(at::kInt));
+  if (words) amx_gemm_pack(w.data_ptr<c10::BFloat16>(), N, K, gated, reinterpret_cast<uint32_t*>(out.data_ptr()));
+  return out;
+}
+
+// The fewest x rows for which small_linear with a gemm copy, and small_linear_gated_amx, take the
+// AMX GEMM: kGemmRowsCopy + 1; 0 where the GEMM does not run (no AMX).
+int64_t amx_gemm_rows() {
+#if defined(PDSERVE_AMX)
+  if (amx::permitted()) return kGemmRowsCopy + 1;
+#endif
+  return 0;
+}
+
+const uint32_t* gemm_copy(const c10::optional<at::Tensor>& gemm, int64_t N, int64_t K, bool gated) {
+  if (!gemm.has_value() || !gemm->defined() || gemm->numel() == 0) return nullptr;
+  const int64_t words = amx_gemm_packed_words(N, K, gated);
+  TORCH_CHECK(gemm->scalar_type() == at::kInt && gemm->is_contiguous() && gemm->dim() == 1 && words &&
+                  gemm->numel() == words,
+              "small_linear: gemm must be pack_amx_gemm_weight(w", gated ? ", True" : "", ") for this w");
+  return reinterpret_cast<const uint32_t*>(gemm->data_ptr());
+}
+
+// act_and_mul(small_linear(x, w), gelu) for a gated MLP's gate|up weight w [2 I, K] on the AMX
+// GEMM with the activation in its epilogue (x more than kGemmRowsCopy rows; same bits).
+at::Tensor small_linear_gated_amx_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& gemm, bool gelu) {
+  check_weight(w, "small_linear_gated_amx");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == w.size(1),
+              "small_linear_gated_amx: x must be a contiguous bfloat16 [M, K] with w's K");
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  TORCH_CHECK(amx_gemm_rows() && M >= amx_gemm_rows(), "small_linear_gated_amx: needs AMX and more than ",
+              amx_gemm_rows() - 1, " rows");
+  const uint32_t* wp = gemm_copy(gemm, N, K, true);
+  TORCH_CHECK(wp, "small_linear_gated_amx: gemm must be pack_amx_gemm_weight(w, True)");
+  at::Tensor out = at::empty({M, N / 2}, x.options());
+  TORCH_CHECK(amx_gemm(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), nullptr,
+                       out.data_ptr<c10::BFloat16>(), M, N, K, wp, gelu ? kGemmGatedGelu : kGemmGatedSilu),
+              "small_linear_gated_amx: the GEMM refused the shape");
+  return out;
+}
+
 at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                            const c10::optional<at::Tensor>& packed) {
+                            const c10::optional<at::Tensor>& packed, const c10::optional<at::Tensor>& gemm) {
   check_weight(w, "small_linear");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "small_linear: x must be a contiguous bfloat16 [M, K]");
@@ -185,7 +241,8 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
     auto* od = out.data_ptr<c10::BFloat16>();
 #if defined(PDSERVE_AMX)
     if (n0) {
-      if (!(M > kGemmRows && N * K <= kGemmMaxWeights && amx_gemm(xd, wd, b, od, M, N, K)))
+      const uint32_t* copy = gemm_copy(gemm, N, K, false);
+      if (!(M > (copy ? kGemmRowsCopy : kGemmRows) && N * K <= kGemmMaxWeights && amx_gemm(xd, wd, b, od, M, N, K, copy)))
         TORCH_CHECK(run_amx(xd, wd, b, od, M, N, K) == n0, "small_linear: AMX path covered fewer columns");
     }
 #endif
@@ -204,7 +261,10 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
 }  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
-  m.def("small_linear(Tensor x, Tensor w, Tensor? bias, Tensor? packed=None) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor w, Tensor? bias, Tensor? packed=None, Tensor? gemm=None) -> Tensor");
+  m.def("pack_amx_gemm_weight(Tensor w, bool gated) -> Tensor");
+  m.def("amx_gemm_rows() -> int", &pdserve::amx_gemm_rows);
+  m.def("small_linear_gated_amx(Tensor x, Tensor w, Tensor gemm, bool gelu) -> Tensor");
   m.def("pack_linear_weight(Tensor w) -> Tensor");
   m.def("small_linear_supported() -> bool", &pdserve::small_linear_supported);
   m.def("small_linear_amx() -> bool", &pdserve::small_linear_amx);
@@ -218,4 +278,6 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("pack_linear_weight", &pdserve::pack_linear_weight_cpu);
   m.impl("pack_gated_linear_weight", &pdserve::pack_gated_linear_weight_cpu);
   m.impl("small_linear_gated", &pdserve::small_linear_gated_cpu);
+  m.impl("pack_amx_gemm_weight", &pdserve::pack_amx_gemm_weight_cpu);
+  m.impl("small_linear_gated_amx", &pdserve::small_linear_gated_amx_cpu);
 }

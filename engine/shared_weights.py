@@ -1,7 +1,7 @@
 """One read-only copy of the weights for every rank of a host.
 
 Every rank of a launch holds the same weights, and the linear kernel's packed copy of them
-(513 MB for SmolLM2 in bf16): mapped from one file they are held once, not once per rank.
+(513 MB for SmolLM2 in bf16; with AMX the GEMM's copy instead, ~212 MB more): mapped from one file they are held once, not once per rank.
 Mapped, the copies are also the same physical pages, so ranks that read a layer at about the
 same time share it in the L3. Measured on this 2-core Zen 4 VM: two processes streaming 30
 blocks of 9 MB took 17-18 ms a pass each with private copies and 10.5 ms with one shared copy
@@ -63,13 +63,16 @@ class SharedWeights:
 
 
 def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every parameter (tied ones once) and every Linear's packed copy."""
+    """(name, tensor) of every parameter (tied ones once) and every Linear's packed copies (the
+    decode kernel's and the AMX GEMM's)."""
     from engine.layers.linear import Linear
 
     out = [(name, p) for name, p in model.named_parameters()]  # duplicates (tied) removed by torch
     for name, mod in model.named_modules():
         if isinstance(mod, Linear) and mod._packed is not None:
             out.append((name + "._packed", mod._packed[1]))
+        if isinstance(mod, Linear) and mod._gemm is not None and mod._gemm[1] is not None:
+            out.append((name + "._gemm", mod._gemm[1]))
     return out
 
 
@@ -181,7 +184,7 @@ def _swap(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], views: list
     new = {name: v for (name, _), v in zip(tensors, views)}
     # One Parameter per tensor: a tied one, held by two modules, stays one object.
     by_ptr = {t.data_ptr(): nn.Parameter(new[name], requires_grad=False)
-              for name, t in tensors if not name.endswith("._packed")}
+              for name, t in tensors if not name.endswith(("._packed", "._gemm"))}
     for mod in model.modules():
         for pname, p in list(mod._parameters.items()):
             if p is not None and p.data_ptr() in by_ptr:
@@ -189,3 +192,5 @@ def _swap(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], views: list
     for name, mod in model.named_modules():
         if isinstance(mod, Linear) and name + "._packed" in new:
             mod._packed = (mod.packed_key(), new[name + "._packed"])
+        if isinstance(mod, Linear) and name + "._gemm" in new:
+            mod._gemm = (mod.gemm_key(), new[name + "._gemm"])

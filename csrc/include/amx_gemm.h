@@ -15,8 +15,19 @@ namespace pdserve {
 // out[M, N] = x[M, K] @ w[N, K].T + bias (bf16, contiguous) for the output columns
 // [0, N / 16 * 16); returns false (and writes nothing) when AMX is not compiled in
 // or not granted, K % 32 != 0 or N < 16. The caller computes columns past N / 16 * 16.
+//
+// packed: amx_gemm_pack(w) (the blocks the GEMM would pack per call, made once), or null.
+// epi: kGemmPlain, or kGemmGatedSilu / kGemmGatedGelu for a gated MLP's gate|up weight w [2 I, K]
+// (no bias, I % 16 == 0): out [M, I] = act_and_mul(x @ w.T) with its bits, all I columns.
+enum { kGemmPlain = 0, kGemmGatedSilu = 1, kGemmGatedGelu = 2 };
 bool amx_gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
-              int64_t M, int64_t N, int64_t K);
+              int64_t M, int64_t N, int64_t K, const uint32_t* packed = nullptr, int epi = kGemmPlain);
+
+// 32-bit words of amx_gemm_pack's copy of a [N, K] weight (gated: the gate|up layout); 0 where
+// the GEMM cannot take the shape (K % 32 != 0, N < 16; gated: N % 32 != 0).
+int64_t amx_gemm_packed_words(int64_t N, int64_t K, bool gated);
+// Writes that copy (amx_gemm_packed_words(N, K, gated) words; any alignment) to out.
+void amx_gemm_pack(const c10::BFloat16* w, int64_t N, int64_t K, bool gated, uint32_t* out);
 
 #if defined(PDSERVE_AMX)
 // Decode-size batches (csrc/amx_rows.cpp): out rows' columns [0, N / 16 * 16) with 16-row W

@@ -6,8 +6,8 @@ time is the time to stream the weights from memory. `csrc/small_linear.cpp`
 packed once in k pairs, `pack_weight`) streams them at close to the machine's read
 bandwidth, where oneDNN's bf16 GEMV reached about half of it, and gives each row the
 same result whatever batch it is in and at any thread count. Prefill chunks take it too:
-where the CPU has AMX, up to GEMM_ROWS rows, above 128 rows on an AMX GEMM
-(`csrc/amx_gemm.cpp`; larger inputs keep torch's GEMM, oneDNN); elsewhere the packed
+where the CPU has AMX, up to GEMM_ROWS rows, above 16 rows on an AMX GEMM
+(`csrc/amx_gemm.cpp`, reading the layer's GEMM copy; larger inputs keep torch's GEMM, oneDNN); elsewhere the packed
 AVX512-BF16 kernel at any row count (1.1-1.2x oneDNN's speed at 64-1024 rows on AMD
 Zen 4); both with the per-row bits of a decode batch. The layer keeps the packed copy
 (made at model load: one more copy of the weights in memory). The first call JIT-builds
@@ -15,10 +15,17 @@ the kernel (`-march=native`); on a CPU or compiler without AVX512-BF16 the op sa
 unsupported and torch's linear is used. Set PDSERVE_SMALL_LINEAR=0 to force torch's path, PDSERVE_CHUNK_GEMM=0
 to keep prefill chunks (more than MAX_ROWS rows) on it (for comparison).
 
+Where the AMX GEMM runs, the layer keeps the GEMM's own copy of the weight too (`gemm_weight`,
+made at model load: the B-tile layout the GEMM would otherwise make per call, a pass over the
+weight each time). With it the GEMM takes inputs of more than 16 rows (it reads the copy as one
+sequential stream: 0.84x the 16-row W-tile path's time at 32 rows, 0.68x at 128); without it,
+PDSERVE_GEMM_COPY=0, more than 128 rows.
+
 GatedLinear, a gated MLP's fused gate|up projection, runs the activation in the kernel's
-epilogue (`forward_act`) where the AVX-512 path covers the whole matrix: the [T, 2 I]
-gate|up product is never written and read back, and no separate activation call is made
-(same bits as the product followed by act_and_mul). PDSERVE_FUSED_GATED=0 turns it off.
+epilogue (`forward_act`) where the AVX-512 path covers the whole matrix, and on the AMX GEMM
+(its copy in the gated layout): the [T, 2 I] gate|up product is never written and read back,
+and no separate activation call is made (same bits as the product followed by act_and_mul).
+PDSERVE_FUSED_GATED=0 turns both off.
 """
 from __future__ import annotations
 
@@ -58,14 +65,37 @@ def small_linear_available() -> bool:
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 packed: torch.Tensor | None = None) -> torch.Tensor:
+                 packed: torch.Tensor | None = None, gemm: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T + bias, all bf16 contiguous on the CPU -> [M, N] bf16.
 
     Accumulates in fp32 in an order that depends only on K, rounds once. `packed` is
-    pack_weight(weight) (without it the call packs a copy itself, a pass over the weight).
+    pack_weight(weight) (without it the call packs a copy itself, a pass over the weight);
+    `gemm` is pack_gemm_weight(weight), read where the AMX GEMM runs (packed per call without it).
     Raises RuntimeError on other dtypes, layouts or shapes, or when unsupported here.
     """
-    return torch.ops.pdserve.small_linear(x, weight, bias, packed)
+    return torch.ops.pdserve.small_linear(x, weight, bias, packed, gemm)
+
+
+@functools.cache
+def amx_gemm_rows() -> int:
+    """The fewest rows small_linear runs on the AMX GEMM (cached per process); 0 where it does not
+    run (no AMX, or PDSERVE_CHUNK_GEMM=0)."""
+    if gemm_rows() <= MAX_ROWS or not small_linear_available():
+        return 0
+    return int(torch.ops.pdserve.amx_gemm_rows())
+
+
+def pack_gemm_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+    """The AMX GEMM's copy of a bf16 [N, K] weight (gated: a gate|up weight [2 I, K] in the layout
+    small_linear_gated_amx reads); None where the GEMM does not run this shape here."""
+    t = torch.ops.pdserve.pack_amx_gemm_weight(weight, gated)
+    return t if t.numel() else None
+
+
+def small_linear_gated_amx(x: torch.Tensor, weight: torch.Tensor, gemm: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act_and_mul(small_linear(x, weight), gelu), bit for bit, on the AMX GEMM with the activation
+    in its epilogue: x [M, K] with M >= amx_gemm_rows(), gemm = pack_gemm_weight(weight, True)."""
+    return torch.ops.pdserve.small_linear_gated_amx(x, weight, gemm, gelu)
 
 
 def pack_gated_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -121,12 +151,31 @@ class Linear(nn.Linear):
     first such call) and remade if the weight is replaced or changed in place."""
 
     _packed: tuple[tuple, torch.Tensor] | None = None  # (packed_key(), the copy)
+    _gemm: tuple[tuple, torch.Tensor | None] | None = None  # (gemm_key(), the AMX GEMM's copy or None)
+    _gemm_gated = False  # whether the GEMM's copy is the gated layout (GatedLinear's, where usable)
 
     def prepare(self) -> None:
         """Pack the weight now (model load) rather than on the first step that needs it."""
         w = self.weight
         if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() and small_linear_available():
             self.packed_weight()
+            self.gemm_weight()
+
+    def gemm_weight(self) -> torch.Tensor | None:
+        """The AMX GEMM's copy (made once, remade when the weight changes); None where the GEMM
+        does not run this layer's shape here, or with PDSERVE_GEMM_COPY=0."""
+        w = self.weight
+        if (not amx_gemm_rows() or os.environ.get("PDSERVE_GEMM_COPY", "1") == "0" or w.dtype != torch.bfloat16
+                or w.device.type != "cpu" or not w.is_contiguous()):
+            return None
+        key = self.gemm_key()
+        if self._gemm is None or self._gemm[0] != key:
+            self._gemm = (key, pack_gemm_weight(self.weight, self._gemm_gated))
+        return self._gemm[1]
+
+    def gemm_key(self) -> tuple:
+        """What the GEMM's copy was made from: packed_key() and which layout."""
+        return (*Linear.packed_key(self), self._gemm_gated)
 
     def packed_key(self) -> tuple:
         """What the packed copy was made from: the weight's storage, version and shape."""
@@ -146,7 +195,10 @@ class Linear(nn.Linear):
         w = self.weight
         if (x.dim() == 2 and w.dtype == torch.bfloat16 and x.dtype == w.dtype and w.device.type == "cpu"
                 and x.shape[0] <= gemm_rows() and w.is_contiguous() and small_linear_available()):
-            return small_linear(x.contiguous(), w, self.bias, self.packed_weight())
+            gemm = None
+            if x.shape[0] >= amx_gemm_rows() > 0 and not self._gemm_gated:
+                gemm = self.gemm_weight()
+            return small_linear(x.contiguous(), w, self.bias, self.packed_weight(), gemm)
         return F.linear(x, w, self.bias)
 
 
@@ -158,6 +210,10 @@ class GatedLinear(Linear):
     def gated(self) -> bool:
         """The packed copy is pack_gated_weight's (forward_act runs fused)."""
         return gated_usable(self.weight, self.bias)
+
+    @property
+    def _gemm_gated(self) -> bool:  # the GEMM's copy in the gated layout unless the fusion is off
+        return self.bias is None and os.environ.get("PDSERVE_FUSED_GATED", "1") != "0"
 
     def packed_key(self) -> tuple:
         return (*super().packed_key(), self.gated())  # and which layout
@@ -173,6 +229,9 @@ class GatedLinear(Linear):
 
     def forward_act(self, x: torch.Tensor, gelu: bool) -> torch.Tensor:
         """act_and_mul(self(x), gelu): [T, K] -> [T, I]; `gelu` picks gelu-tanh over silu."""
-        if self.gated() and x.dim() == 2 and x.dtype == self.weight.dtype and x.shape[0] <= gemm_rows():
-            return small_linear_gated(x.contiguous(), self.packed_weight(), gelu)
+        if x.dim() == 2 and x.dtype == self.weight.dtype and x.shape[0] <= gemm_rows():
+            if self.gated():
+                return small_linear_gated(x.contiguous(), self.packed_weight(), gelu)
+            if x.shape[0] >= amx_gemm_rows() > 0 and self._gemm_gated and (gemm := self.gemm_weight()) is not None:
+                return small_linear_gated_amx(x.contiguous(), self.weight, gemm, gelu)
         return act_and_mul(self(x), gelu)

@@ -6,6 +6,7 @@ layer is four matmuls. Weight names follow Hugging Face checkpoints.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from engine.kv_cache import KVPool
 from engine.layers import norm, paged_attention_op
 from engine.layers.activation import fused_act_available
 from engine.layers.attention import PagedAttention
-from engine.layers.linear import GatedLinear, Linear, gemm_rows, small_linear_available
+from engine.layers.linear import GatedLinear, Linear, amx_gemm_rows, gemm_rows, small_linear_available
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, fused_rotary_available
 from engine.models.base import DecoderLM
@@ -102,13 +103,16 @@ class LlamaDecodePlan:
         self.weights: list[tuple[dict, str, torch.Tensor, int]] = []
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
+            gu = mlp.gate_up_proj
+            gu_gemm = gu.gemm_weight()  # the AMX GEMM's copy: gated layout where _gemm_gated
             self.layers.append((
                 layer.input_layernorm.weight, layer.input_layernorm.eps,
-                a.qkv_proj.weight, a.qkv_proj.bias, a.qkv_proj.packed_weight(),
-                a.o_proj.weight, a.o_proj.packed_weight(), layer.post_attention_layernorm.weight,
-                layer.post_attention_layernorm.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.packed_weight(),
-                mlp.down_proj.weight, mlp.down_proj.packed_weight(), mlp.gelu, a.attn.layer_id, a.attn.scale,
-                a.layer_type, mlp.gate_up_proj.gated()))
+                a.qkv_proj.weight, a.qkv_proj.bias, a.qkv_proj.packed_weight(), a.qkv_proj.gemm_weight(),
+                a.o_proj.weight, a.o_proj.packed_weight(), a.o_proj.gemm_weight(), layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.eps, gu.weight, gu.packed_weight(),
+                None if gu._gemm_gated else gu_gemm, gu_gemm if gu._gemm_gated else None,
+                mlp.down_proj.weight, mlp.down_proj.packed_weight(), mlp.down_proj.gemm_weight(), mlp.gelu,
+                a.attn.layer_id, a.attn.scale, a.layer_type, gu.gated()))
             for mod in (layer.input_layernorm, layer.post_attention_layernorm, a.qkv_proj, a.o_proj,
                         mlp.gate_up_proj, mlp.down_proj):
                 self.weights.append((mod._parameters, "weight", mod.weight, mod.weight._version))
@@ -116,6 +120,7 @@ class LlamaDecodePlan:
                 self.weights.append((a.qkv_proj._parameters, "bias", a.qkv_proj.bias, a.qkv_proj.bias._version))
         self.h, self.kvh, self.d = model.layers[0].self_attn.h, model.layers[0].self_attn.kvh, model.cfg.head_dim
         self.max_rows = gemm_rows()  # Linear's kernel takes batches up to this; larger ones take torch's GEMM
+        self.gemm_rows = amx_gemm_rows() or sys.maxsize  # from here a gated copy runs fused on the AMX GEMM
 
     @classmethod
     def build(cls, model: DecoderLM) -> LlamaDecodePlan | None:
@@ -151,6 +156,7 @@ class LlamaDecodePlan:
         rms, linear, rotary = ops.rms_norm.default, ops.small_linear.default, ops.rotary.default
         attend, act = ops.paged_decode_attention.default, ops.act_and_mul.default
         gated, write = ops.small_linear_gated.default, ops.write_kv.default
+        gated_amx = ops.small_linear_gated_amx.default
         x = model.embed(fb.input_ids)
         t = x.shape[0]
         fb.rope = {k: r.tables(fb.positions) for k, r in model.rotary.items()}
@@ -160,21 +166,27 @@ class LlamaDecodePlan:
         wp, wo, pages, ctx = fb.write_page, fb.write_off, fb.dec_pages, fb.dec_ctx
         residual = None
         k = x.shape[1]
-        for (in_w, in_eps, qkv_w, qkv_b, qkv_p, o_w, o_p, post_w, post_eps, gu_w, gu_p, down_w, down_p, gelu,
-             layer_id, scale, layer_type, fused) in self.layers:
+        gemm_fused = t >= self.gemm_rows
+        for (in_w, in_eps, qkv_w, qkv_b, qkv_p, qkv_g, o_w, o_p, o_g, post_w, post_eps, gu_w, gu_p, gu_g, gu_gated,
+             down_w, down_p, down_g, gelu, layer_id, scale, layer_type, fused) in self.layers:
             if residual is None:
                 n, residual = rms(x, None, in_w, in_eps, False)[0], x
             else:
                 n, residual = rms(x, residual, in_w, in_eps, False)
-            qkv = linear(n, qkv_w, qkv_b, qkv_p)
+            qkv = linear(n, qkv_w, qkv_b, qkv_p, qkv_g)
             cos, sin = tables[layer_type]
             rotated = rotary(qkv[:, :qk].view(t, h + kvh, d), cos, sin)
             cache = pool.full[:, pool.layer_index[layer_id]]
             write(cache, wp, wo, rotated[:, h:], qkv[:, qk:].view(t, kvh, d))
             o = attend(rotated[:, :h].contiguous(), cache, pages, ctx, scale)
-            n, residual = rms(linear(o.view(t, h * d), o_w, None, o_p), residual, post_w, post_eps, False)
-            a = gated(n, gu_p, k, gelu) if fused else act(linear(n, gu_w, None, gu_p), gelu)
-            x = linear(a, down_w, None, down_p)
+            n, residual = rms(linear(o.view(t, h * d), o_w, None, o_p, o_g), residual, post_w, post_eps, False)
+            if fused:
+                a = gated(n, gu_p, k, gelu)
+            elif gemm_fused and gu_gated is not None:
+                a = gated_amx(n, gu_w, gu_gated, gelu)
+            else:
+                a = act(linear(n, gu_w, None, gu_p, gu_g), gelu)
+            x = linear(a, down_w, None, down_p, down_g)
             if hook is not None:
                 hook()
         return model.norm.add_norm(x, residual)[0]

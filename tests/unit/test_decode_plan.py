@@ -53,6 +53,16 @@ def test_plan_matches_the_modules_bit_for_bit(engine):
     assert [len(v) for v in planned.values()] == [8, 11, 14, 17]
 
 
+def test_plan_matches_the_modules_for_a_batch_above_16_rows(engine):
+    """20 rows a step: where the AMX GEMM runs, its copies of the weights (and the gate|up
+    projection fused with the activation) take these steps; the bits stay the modules'."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(100, 30000, (5 + 3 * i,), generator=g).tolist() for i in range(20)]
+    planned = _run(engine, prompts, use_plan=True)
+    assert planned == _run(engine, prompts, use_plan=False)
+    assert len(planned) == 20
+
+
 def test_plan_is_rebuilt_when_a_weight_changes(engine):
     model = engine.runner.model
     plan = model.decode_plan()

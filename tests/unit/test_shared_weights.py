@@ -10,6 +10,7 @@ import torch
 
 from engine import hugepages
 from engine.config import EngineConfig
+from engine.layers import linear
 from engine.layers.linear import Linear
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -66,6 +67,10 @@ def test_ranks_map_one_copy_and_decode_what_a_private_copy_decodes(tiny_model_di
             # with AMX a shape of whole 16-column tiles has an empty packed copy (nothing to hold)
             packed = [m._packed[1] for m in model.modules() if isinstance(m, Linear) and m._packed is not None]
             assert packed and all(sw.holds(p) for p in packed if p.numel())
+            # the AMX GEMM's copies (where the GEMM runs) are in the mapping too
+            gemm = [m._gemm[1] for m in model.modules() if isinstance(m, Linear) and m._gemm is not None
+                    and m._gemm[1] is not None]
+            assert all(sw.holds(g) for g in gemm) and bool(gemm) == bool(linear.amx_gemm_rows())
             if model.cfg.tie_word_embeddings:
                 assert model.lm_head.weight is model.embed_tokens.weight
         assert _greedy(first) == reference(family)

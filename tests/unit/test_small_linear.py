@@ -224,3 +224,105 @@ def test_gated_bits_do_not_depend_on_the_thread_count():
         assert torch.equal(linear.small_linear_gated(x, packed, False), one)
     finally:
         torch.set_num_threads(with_threads)
+
+
+# The AMX GEMM's own copy of a weight (pack_gemm_weight, made at load) and its gated epilogue:
+# only where the GEMM runs (AMX); elsewhere these skip.
+needs_amx_gemm = pytest.mark.skipif(not linear.amx_gemm_rows(), reason="no AMX GEMM on this CPU")
+
+
+@needs_amx_gemm
+@pytest.mark.parametrize("m,n,k", [(129, 48, 64), (147, 40, 96), (542, 1728, 576), (200, 576, 1536), (164, 17, 32),
+                                   (700, 27, 640)])
+def test_the_gemm_copy_gives_the_bits_of_packing_per_call(m, n, k):
+    """Blocks of 32 rows, a last block of 16, columns past the last 16 (AVX-512), a bias."""
+    x, w, b = bf16(m, k, seed=31), bf16(n, k, seed=32), bf16(n, seed=33)
+    gemm = linear.pack_gemm_weight(w)
+    assert gemm is not None and gemm.dtype == torch.int32
+    want = small_linear(x, w, b)
+    assert torch.equal(small_linear(x, w, b, None, gemm), want)
+    for rows in (16, 17, 40, 128):  # up to 16 rows the weight itself is read; from 17 the copy
+        assert torch.equal(small_linear(x[:rows], w, b, None, gemm), want[:rows])
+
+
+@needs_amx_gemm
+def test_shapes_the_gemm_cannot_take_have_no_copy_and_a_wrong_copy_is_refused():
+    assert linear.pack_gemm_weight(bf16(64, 40, seed=34)) is None  # K % 32
+    assert linear.pack_gemm_weight(bf16(8, 64, seed=35)) is None  # N < 16
+    assert linear.pack_gemm_weight(bf16(2 * 40, 64, seed=36), True) is None  # I % 16
+    assert linear.pack_gemm_weight(bf16(5000, 2048, seed=37)) is None  # the vocabulary head's size: no GEMM
+    w = bf16(64, 64, seed=38)
+    with pytest.raises(RuntimeError, match="small_linear: gemm"):
+        small_linear(bf16(200, 64, seed=39), w, None, None, linear.pack_gemm_weight(bf16(64, 96, seed=40)))
+    with pytest.raises(RuntimeError, match="gemm"):  # another weight's copy
+        linear.small_linear_gated_amx(bf16(200, 64, seed=39), w, linear.pack_gemm_weight(bf16(96, 64, seed=40), True),
+                                      False)
+    with pytest.raises(RuntimeError, match="rows"):
+        linear.small_linear_gated_amx(bf16(8, 64, seed=39), w, linear.pack_gemm_weight(w, True), False)
+
+
+@needs_amx_gemm
+@pytest.mark.parametrize("m", [17, 40, 129, 542])
+@pytest.mark.parametrize("i,k", [(1536, 576), (16, 64), (48, 640)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gated_amx_equals_the_product_then_act_and_mul_bitwise(m, i, k, gelu):
+    from engine.layers.activation import act_and_mul
+    w = bf16(2 * i, k, seed=41) * 0.1
+    x = bf16(m, k, seed=42) * 3
+    want = act_and_mul(small_linear(x, w), gelu)
+    got = linear.small_linear_gated_amx(x, w, linear.pack_gemm_weight(w, True), gelu)
+    assert got.shape == (m, i) and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@needs_amx_gemm
+def test_gated_amx_bits_do_not_depend_on_the_thread_count():
+    w, x = bf16(2 * 1536, 576, seed=43) * 0.1, bf16(300, 576, seed=44)
+    gemm = linear.pack_gemm_weight(w, True)
+    with_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear.small_linear_gated_amx(x, w, gemm, False)
+        torch.set_num_threads(max(2, with_threads))
+        assert torch.equal(linear.small_linear_gated_amx(x, w, gemm, False), one)
+    finally:
+        torch.set_num_threads(with_threads)
+
+
+@needs_amx_gemm
+def test_layers_keep_the_gemm_copy_and_gated_linear_fuses_on_it(monkeypatch):
+    from engine.layers.activation import act_and_mul
+    lin = Linear(64, 96, bias=True).to(torch.bfloat16).requires_grad_(False)
+    gated = linear.GatedLinear(64, 2 * 96, bias=False).to(torch.bfloat16).requires_grad_(False)
+    lin.prepare()
+    gated.prepare()
+    assert lin.gemm_weight() is not None and gated.gemm_weight() is not None
+    copy = lin.gemm_weight()
+    seen = []
+    real = linear.small_linear
+    monkeypatch.setattr(linear, "small_linear", lambda *a: seen.append(a[4]) or real(*a))
+    x = bf16(200, 64, seed=45)
+    assert torch.equal(lin(x), real(x, lin.weight, lin.bias))
+    assert seen[-1] is copy
+    lin(x[:16].contiguous())  # decode-size batches read the weight itself
+    assert seen[-1] is None and linear.amx_gemm_rows() == 17
+    assert torch.equal(lin(x[:17].contiguous()), real(x[:17].contiguous(), lin.weight, lin.bias)) and seen[-1] is copy
+    fused = gated.forward_act(x, False)
+    assert torch.equal(fused, act_and_mul(real(x, gated.weight), False))
+    assert torch.equal(gated(x), real(x, gated.weight))  # the plain product: not the gated copy
+    assert seen[-1] is None
+    lin.weight.mul_(2)  # changed in place: packed again
+    assert lin.gemm_weight() is not copy and torch.equal(lin(x), real(x, lin.weight, lin.bias))
+    monkeypatch.setenv("PDSERVE_GEMM_COPY", "0")
+    assert lin.gemm_weight() is None and torch.equal(lin(x), real(x, lin.weight, lin.bias))
+    monkeypatch.setenv("PDSERVE_GEMM_COPY", "1")
+    monkeypatch.setenv("PDSERVE_FUSED_GATED", "0")  # the fused path off: product, then act_and_mul
+    assert torch.equal(gated.forward_act(x, False), fused)
+
+
+@needs_amx_gemm
+def test_fp32_layers_have_no_gemm_copy_and_keep_torchs_path():
+    lin = linear.GatedLinear(64, 2 * 96, bias=False).requires_grad_(False)  # fp32
+    x = torch.randn(200, 64)
+    assert lin.gemm_weight() is None
+    gate, up = F.linear(x, lin.weight).chunk(2, dim=-1)
+    torch.testing.assert_close(lin.forward_act(x, False), F.silu(gate) * up)
