@@ -120,7 +120,7 @@ class LlamaDecodePlan:
                 self.weights.append((a.qkv_proj._parameters, "bias", a.qkv_proj.bias, a.qkv_proj.bias._version))
         self.h, self.kvh, self.d = model.layers[0].self_attn.h, model.layers[0].self_attn.kvh, model.cfg.head_dim
         self.max_rows = gemm_rows()  # Linear's kernel takes batches up to this; larger ones take torch's GEMM
-        self.gemm_rows = amx_gemm_rows() or sys.maxsize  # from here a gated copy runs fused on the AMX GEMM
+        self.gated_amx_rows = amx_gemm_rows() or sys.maxsize  # from here a gated copy runs fused on the AMX GEMM
 
     @classmethod
     def build(cls, model: DecoderLM) -> LlamaDecodePlan | None:
@@ -166,7 +166,7 @@ class LlamaDecodePlan:
         wp, wo, pages, ctx = fb.write_page, fb.write_off, fb.dec_pages, fb.dec_ctx
         residual = None
         k = x.shape[1]
-        gemm_fused = t >= self.gemm_rows
+        gemm_fused = t >= self.gated_amx_rows
         for (in_w, in_eps, qkv_w, qkv_b, qkv_p, qkv_g, o_w, o_p, o_g, post_w, post_eps, gu_w, gu_p, gu_g, gu_gated,
              down_w, down_p, down_g, gelu, layer_id, scale, layer_type, fused) in self.layers:
             if residual is None:

@@ -93,11 +93,14 @@ def test_layer_routes_bf16_batches_to_the_kernel(monkeypatch):
 def test_without_the_chunk_gemm_prefill_chunks_use_torch(monkeypatch):
     monkeypatch.setenv("PDSERVE_CHUNK_GEMM", "0")
     linear.gemm_rows.cache_clear()
+    linear.amx_gemm_rows.cache_clear()  # derived from gemm_rows(): cached with it
     try:
         assert linear.gemm_rows() == linear.invariant_rows() == linear.MAX_ROWS
+        assert linear.amx_gemm_rows() == 0  # no AMX GEMM, so no GEMM copies either
     finally:
         monkeypatch.delenv("PDSERVE_CHUNK_GEMM")
         linear.gemm_rows.cache_clear()
+        linear.amx_gemm_rows.cache_clear()
 
 
 @pytest.mark.parametrize("m,n,k,span", [(129, 48, 64, 33), (147, 40, 96, 16), (530, 960, 576, 64),
