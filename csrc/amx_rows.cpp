@@ -12,8 +12,12 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstring>
 #include <vector>
+
+#include <c10/util/Half.h>
 
 #include "amx_tiles.h"
 
@@ -65,11 +69,96 @@ inline void amx_rows(const c10::BFloat16* w, const uint16_t* xp, int64_t K, floa
   if (NT > 3) _tile_stored(3, c + 768, 64);
 }
 
-}  // namespace
 
-// Rows [0, N / 16 * 16) of the output with AMX; returns the first row left over.
-int64_t run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
-                int64_t M, int64_t N, int64_t K) {
+// The weight's 16 x 32 tiles rebuilt from a block-quantized copy (amx_quant_pack) into a bf16
+// A tile in L1, in the order run_tiles reads them: pass (4 row blocks) -> 32-k slice -> row block.
+// Each tile row is one 32-weight block:
+//   kQuantQ4 (GGUF Q4_1's form): w = bf16(d * q + m), q in 0..15; a tile is d[16], m[16] (fp32)
+//     then 16 rows of 16 bytes, byte j holding q_j (low nibble) and q_{j+16} (high nibble);
+//   kQuantQ8 (GGUF Q8_0's form): w = bf16(d * q), q in -128..127; a tile is d[16] then 16 rows of
+//     32 int8.
+// The rebuild rounds as the bf16 copy was made (fp32 -> bf16, nearest even) with the same fp32
+// value: fma(d, q, m) is exact where d * q is (every GGUF block: d has 11 significant bits);
+// amx_quant_pack checks every rebuilt weight against the bf16 weight and refuses a copy that
+// differs in one bit. So the tiles, and the products, are the W-tile path's.
+template <int Kind>
+inline void rebuild_tile(const uint8_t* q, uint16_t* buf) {
+  const float* d = reinterpret_cast<const float*>(q);
+  if (Kind == kQuantQ4) {
+    const float* m = d + 16;
+    const uint8_t* nib = q + 128;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    // words 0-15 keep the byte (vpermw reads its low 5 bits: q_j plus one bit of q_{j+16}, so
+    // the 16-entry table is in both halves), words 16-31 take the high nibble
+    const __m512i shift = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4,
+                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(d[r]), iota, _mm512_set1_ps(m[r]));
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+      const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + 16 * r)));
+      const __m512i idx = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(b), shift);
+      _mm512_store_si512(reinterpret_cast<__m512i*>(buf + 32 * r), _mm512_permutexvar_epi16(idx, table));
+    }
+  } else {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(q + 64);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512 dv = _mm512_set1_ps(d[r]);
+      const __m512 lo = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * r)))));
+      const __m512 hi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * r + 16)))));
+      _mm512_store_si512(reinterpret_cast<__m512i*>(buf + 32 * r), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+template <int Kind>
+constexpr int64_t tile_bytes() {
+  return Kind == kQuantQ4 ? 384 : 576;
+}
+
+template <int NT, int Kind>
+inline void amx_rows_quant(const uint8_t* q, const uint16_t* xp, int64_t K, float* c, uint16_t* bufs) {
+  // amx_rows with the A tiles rebuilt from q (NT tiles a 32-k slice, consecutive)
+  if (NT > 0) _tile_zero(0);
+  if (NT > 1) _tile_zero(1);
+  if (NT > 2) _tile_zero(2);
+  if (NT > 3) _tile_zero(3);
+  constexpr int64_t kTile = tile_bytes<Kind>();
+  for (int64_t kc = 0; kc < K / 32; ++kc) {
+    // the copy is one sequential stream read ~6 bits a weight at a time, too slowly for the
+    // hardware prefetcher to run far enough ahead alone (30 layers of SmolLM2, 4 rows: 11 -> 9.3 ms)
+    for (int i = 0; i < NT * kTile / 64; ++i) _mm_prefetch(reinterpret_cast<const char*>(q) + 4 * kTile + 64 * i, _MM_HINT_T0);
+    for (int t = 0; t < NT; ++t) rebuild_tile<Kind>(q + t * kTile, bufs + t * 512);
+    q += NT * kTile;
+    _tile_loadd(5, xp + kc * 512, 64);
+    _tile_loadd(4, bufs, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (NT > 1) { _tile_loadd(6, bufs + 512, 64); _tile_dpbf16ps(1, 6, 5); }
+    if (NT > 2) { _tile_loadd(7, bufs + 1024, 64); _tile_dpbf16ps(2, 7, 5); }
+    if (NT > 3) { _tile_loadd(4, bufs + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  _tile_stored(0, c, 64);
+  if (NT > 1) _tile_stored(1, c + 256, 64);
+  if (NT > 2) _tile_stored(2, c + 512, 64);
+  if (NT > 3) _tile_stored(3, c + 768, 64);
+}
+
+template <int Kind>
+void pass_quant(int nt, const uint8_t* q, const uint16_t* xg, int64_t K, float* c, uint16_t* bufs) {
+  switch (nt) {
+    case 1: amx_rows_quant<1, Kind>(q, xg, K, c, bufs); break;
+    case 2: amx_rows_quant<2, Kind>(q, xg, K, c, bufs); break;
+    case 3: amx_rows_quant<3, Kind>(q, xg, K, c, bufs); break;
+    default: amx_rows_quant<4, Kind>(q, xg, K, c, bufs); break;
+  }
+}
+
+// out rows' columns [0, N / 16 * 16): with W tiles from w (quant == nullptr) or rebuilt from quant.
+int64_t run_tiles(const c10::BFloat16* x, const c10::BFloat16* w, const uint8_t* quant, int kind,
+                  const c10::BFloat16* bias, c10::BFloat16* out, int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = N / kTileN;
   if (K % 32 || nblocks == 0 || !amx::permitted()) return 0;
   const int64_t groups = (M + kTileM - 1) / kTileM;
@@ -77,22 +166,31 @@ int64_t run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloa
   for (int64_t g = 0; g < groups; ++g) pack_x(x, M, K, g * kTileM, xp.data() + g * K * kTileM);
   const int64_t passes = (nblocks + kTilesN - 1) / kTilesN;
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kTilesN * kTileN * K * 2));
+  const int64_t tile = kind == kQuantQ8 ? tile_bytes<kQuantQ8>() : tile_bytes<kQuantQ4>();
   const __m512i kColumn = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kTileM));
   at::parallel_for(0, passes, grain, [&](int64_t p0, int64_t p1) {
     load_tile_config();
     alignas(64) float c[kTilesN * kTileN * kTileM];
+    alignas(64) uint16_t bufs[kTilesN * 512];  // rebuilt A tiles
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t nb = p * kTilesN;
       const int nt = (int)std::min<int64_t>(kTilesN, nblocks - nb);
       const c10::BFloat16* wb = w + nb * kTileN * K;
+      const uint8_t* qb = quant ? quant + nb * (K / 32) * tile : nullptr;
       for (int64_t g = 0; g < groups; ++g) {
         const uint16_t* xg = xp.data() + g * K * kTileM;
-        switch (nt) {
-          case 1: amx_rows<1>(wb, xg, K, c); break;
-          case 2: amx_rows<2>(wb, xg, K, c); break;
-          case 3: amx_rows<3>(wb, xg, K, c); break;
-          default: amx_rows<4>(wb, xg, K, c); break;
+        if (quant && kind == kQuantQ8) {
+          pass_quant<kQuantQ8>(nt, qb, xg, K, c, bufs);
+        } else if (quant) {
+          pass_quant<kQuantQ4>(nt, qb, xg, K, c, bufs);
+        } else {
+          switch (nt) {
+            case 1: amx_rows<1>(wb, xg, K, c); break;
+            case 2: amx_rows<2>(wb, xg, K, c); break;
+            case 3: amx_rows<3>(wb, xg, K, c); break;
+            default: amx_rows<4>(wb, xg, K, c); break;
+          }
         }
         // c[t][n][m] -> out[m][16 n]: one gather down a column of each C tile per x row
         // (the scalar transpose was ~25% of a 16-row step). Rounds to nearest even, as
@@ -114,6 +212,123 @@ int64_t run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloa
     _tile_release();
   });
   return nblocks * kTileN;
+}
+
+// One 32-weight block in Q4_1's or Q8_0's form, found from its fp32 values (exactly: the values
+// these blocks dequantize to); false where none reproduces all 32.
+bool q4_fits(const float* v, float lo, float dc, uint8_t* q) {
+  for (int i = 0; i < 32; ++i) {
+    const float qf = dc == 0.0f ? 0.0f : std::nearbyint((v[i] - lo) / dc);
+    if (!(qf >= 0.0f && qf <= 15.0f && std::fma(dc, qf, lo) == v[i])) return false;
+    q[i] = static_cast<uint8_t>(qf);
+  }
+  return true;
+}
+
+bool find_q4(const float* v, float* d, float* m, uint8_t* q) {
+  // m is the block's least value (its q is 0); d is (max - m) / q_max, q_max 15 in a GGUF block
+  // (the quantizer maps the block's range onto 0..15) but tried down to 1, with d as computed and
+  // rounded to fp16 (how GGUF stores it)
+  float lo = v[0], hi = v[0];
+  for (int i = 1; i < 32; ++i) lo = std::min(lo, v[i]), hi = std::max(hi, v[i]);
+  if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
+  for (int qmax = 15; qmax >= 1; --qmax) {
+    const float c0 = (hi - lo) / static_cast<float>(qmax);
+    for (float dc : {c0, static_cast<float>(c10::Half(c0))}) {
+      if (q4_fits(v, lo, dc, q)) {
+        *d = dc;
+        *m = lo;
+        return true;
+      }
+    }
+    if (hi == lo) break;
+  }
+  return false;
+}
+
+bool find_q8(const float* v, float* d, int8_t* q) {
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  if (!std::isfinite(amax)) return false;
+  const float c0 = amax / 127.0f;
+  const float cands[2] = {c0, static_cast<float>(c10::Half(c0))};
+  for (float dc : cands) {
+    bool ok = true;
+    for (int i = 0; i < 32 && ok; ++i) {
+      const float qf = dc == 0.0f ? 0.0f : std::nearbyint(v[i] / dc);
+      ok = qf >= -128.0f && qf <= 127.0f && dc * qf == v[i];
+      q[i] = static_cast<int8_t>(qf);
+    }
+    if (ok) {
+      *d = dc;
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+int64_t run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
+                int64_t M, int64_t N, int64_t K) {
+  return run_tiles(x, w, nullptr, 0, bias, out, M, N, K);
+}
+
+int64_t run_amx_quant(const c10::BFloat16* x, const uint8_t* quant, int kind, const c10::BFloat16* bias,
+                      c10::BFloat16* out, int64_t M, int64_t N, int64_t K) {
+  return run_tiles(x, nullptr, quant, kind, bias, out, M, N, K);
+}
+
+int64_t amx_quant_bytes(int64_t N, int64_t K, int kind) {
+  if (K % 32 || N < 16) return 0;
+  return N / 16 * (K / 32) * (kind == kQuantQ8 ? tile_bytes<kQuantQ8>() : tile_bytes<kQuantQ4>());
+}
+
+int amx_quant_pack(const float* w32, const c10::BFloat16* w, int64_t N, int64_t K, uint8_t* out4, uint8_t* out8) {
+  // Tries Q4 into out4 (amx_quant_bytes(N, K, kQuantQ4) bytes), then Q8 into out8; rows past the
+  // last full 16 are not in the copy (the AVX-512 path computes them).
+  const int64_t nblocks = N / kTileN, kcs = K / 32;
+  if (K % 32 || nblocks == 0 || !amx::permitted()) return 0;
+  for (int kind : {kQuantQ4, kQuantQ8}) {
+    uint8_t* out = kind == kQuantQ4 ? out4 : out8;
+    if (!out) continue;
+    const int64_t tile = kind == kQuantQ8 ? tile_bytes<kQuantQ8>() : tile_bytes<kQuantQ4>();
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+      alignas(64) uint16_t buf[512];
+      uint8_t q[32];
+      for (int64_t nb = b0; nb < b1 && ok.load(std::memory_order_relaxed); ++nb) {
+        const int64_t p = nb / kTilesN, t = nb % kTilesN;
+        const int64_t nt = std::min<int64_t>(kTilesN, nblocks - p * kTilesN);
+        for (int64_t kc = 0; kc < kcs && ok.load(std::memory_order_relaxed); ++kc) {
+          uint8_t* tp = out + ((p * kTilesN) * kcs + kc * nt + t) * tile;
+          float* d = reinterpret_cast<float*>(tp);
+          for (int r = 0; r < 16; ++r) {
+            const float* v = w32 + (nb * kTileN + r) * K + kc * 32;
+            bool found;
+            if (kind == kQuantQ4) {
+              found = find_q4(v, d + r, d + 16 + r, q);
+              if (found)
+                for (int j = 0; j < 16; ++j) tp[128 + 16 * r + j] = static_cast<uint8_t>(q[j] | (q[j + 16] << 4));
+            } else {
+              found = find_q8(v, d + r, reinterpret_cast<int8_t*>(tp + 64 + 32 * r));
+            }
+            if (!found) {
+              ok = false;
+              break;
+            }
+          }
+          if (!ok.load(std::memory_order_relaxed)) break;
+          // every rebuilt weight must be the bf16 weight, bit for bit
+          if (kind == kQuantQ4) rebuild_tile<kQuantQ4>(tp, buf); else rebuild_tile<kQuantQ8>(tp, buf);
+          for (int r = 0; r < 16 && ok.load(std::memory_order_relaxed); ++r)
+            if (std::memcmp(buf + 32 * r, w + (nb * kTileN + r) * K + kc * 32, 64) != 0) ok = false;
+        }
+      }
+    });
+    if (ok) return kind;
+  }
+  return 0;
 }
 
 }  // namespace pdserve

@@ -18,6 +18,11 @@
 //    into the VNNI B tile layout; one TDPBF16PS per 32 k (csrc/amx_rows.cpp; above
 //    kGemmRows rows the GEMM of csrc/amx_gemm.cpp, above kGemmRowsCopy rows where the
 //    caller passes the weight's GEMM copy). Rows past the last full 16 take the AVX-512 path.
+//    With a block-quantized copy of w (pack_quant_weight: every 32-weight block exactly GGUF
+//    Q4_1's d q + m or Q8_0's d q, found from w's fp32 values at load and checked weight for
+//    weight), batches up to kQuantRows rows rebuild each 16 x 32 A tile from it in L1 (a table
+//    of the block's 16 values and one vpermw for Q4, int8 -> fp32 -> bf16 for Q8) instead of
+//    loading it from w: the same tiles, so the same bits, from 6 or 9 bits a weight instead of 16.
 //  * AVX512-BF16 on w packed once per weight (pack_linear_weight; the Linear layer keeps
 //    the copy; csrc/packed_linear.cpp): panels of 64 output columns with k in pairs,
 //    x's pairs broadcast against four zmm of a panel (vdpbf16ps), 6 x rows x 4 zmm per
@@ -52,6 +57,7 @@
 #include "packed_linear.h"
 
 #include <cstdint>
+#include <utility>
 
 namespace pdserve {
 namespace {
@@ -75,6 +81,9 @@ constexpr int64_t kGemmRows = 128;
 // 1.01-1.06x at 1-8 rows).
 constexpr int64_t kGemmRowsCopy = 16;
 constexpr int64_t kGemmMaxWeights = 8 << 20;
+// Up to this many x rows the W tiles are rebuilt from the weight's quant copy where the caller
+// passes one (pack_quant_weight): one x tile, so each rebuilt tile is used once.
+constexpr int64_t kQuantRows = 16;
 
 }  // namespace
 
@@ -210,8 +219,44 @@ at::Tensor small_linear_gated_amx_cpu(const at::Tensor& x, const at::Tensor& w, 
   return out;
 }
 
+// A block-quantized copy of w (the 16-row AMX tiles rebuilt from it per call, same bits), made
+// from w's fp32 values where every 32-weight block is exactly in GGUF Q4_1's form (6 bits a
+// weight read, d and m kept in fp32) or Q8_0's (9 bits); an empty tensor where neither holds or
+// AMX does not run here. uint8, its size tells the form.
+at::Tensor pack_quant_weight_cpu(const at::Tensor& w32, const at::Tensor& w) {
+  check_weight(w, "pack_quant_weight");
+  TORCH_CHECK(w32.scalar_type() == at::kFloat && w32.is_contiguous() && w32.sizes() == w.sizes(),
+              "pack_quant_weight: w32 must be a contiguous float32 tensor of w's shape");
+#if defined(PDSERVE_AMX)
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t b4 = amx_quant_bytes(N, K, kQuantQ4), b8 = amx_quant_bytes(N, K, kQuantQ8);
+  if (b4 && amx::permitted()) {
+    at::Tensor q4 = at::empty({b4}, w.options().dtype(at::kByte)), q8 = at::empty({b8}, w.options().dtype(at::kByte));
+    const int kind = amx_quant_pack(w32.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), N, K, q4.data_ptr<uint8_t>(),
+                                    q8.data_ptr<uint8_t>());
+    if (kind == kQuantQ4) return q4;
+    if (kind == kQuantQ8) return q8;
+  }
+#endif
+  return at::empty({0}, w.options().dtype(at::kByte));
+}
+
+#if defined(PDSERVE_AMX)
+// (pointer, kind) of a quant copy given for w [N, K]; (null, 0) for none.
+std::pair<const uint8_t*, int> quant_copy(const c10::optional<at::Tensor>& quant, int64_t N, int64_t K) {
+  if (!quant.has_value() || !quant->defined()) return {nullptr, 0};
+  const at::Tensor& q = *quant;
+  const int64_t n = q.numel();
+  const int kind = n && n == amx_quant_bytes(N, K, kQuantQ4) ? kQuantQ4 : n && n == amx_quant_bytes(N, K, kQuantQ8) ? kQuantQ8 : 0;
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && kind,
+              "small_linear: quant must be pack_quant_weight(w32, w) for this w");
+  return {q.data_ptr<uint8_t>(), kind};
+}
+#endif
+
 at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                            const c10::optional<at::Tensor>& packed, const c10::optional<at::Tensor>& gemm) {
+                            const c10::optional<at::Tensor>& packed, const c10::optional<at::Tensor>& gemm,
+                            const c10::optional<at::Tensor>& quant) {
   check_weight(w, "small_linear");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "small_linear: x must be a contiguous bfloat16 [M, K]");
@@ -242,8 +287,13 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
 #if defined(PDSERVE_AMX)
     if (n0) {
       const uint32_t* copy = gemm_copy(gemm, N, K, false);
-      if (!(M > (copy ? kGemmRowsCopy : kGemmRows) && N * K <= kGemmMaxWeights && amx_gemm(xd, wd, b, od, M, N, K, copy)))
+      const auto [qp, kind] = quant_copy(quant, N, K);
+      if (qp && M <= kQuantRows) {
+        TORCH_CHECK(run_amx_quant(xd, qp, kind, b, od, M, N, K) == n0, "small_linear: AMX path covered fewer columns");
+      } else if (!(M > (copy ? kGemmRowsCopy : kGemmRows) && N * K <= kGemmMaxWeights &&
+                   amx_gemm(xd, wd, b, od, M, N, K, copy))) {
         TORCH_CHECK(run_amx(xd, wd, b, od, M, N, K) == n0, "small_linear: AMX path covered fewer columns");
+      }
     }
 #endif
     if (n0 < N) {
@@ -261,7 +311,8 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
 }  // namespace pdserve
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
-  m.def("small_linear(Tensor x, Tensor w, Tensor? bias, Tensor? packed=None, Tensor? gemm=None) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor w, Tensor? bias, Tensor? packed=None, Tensor? gemm=None, Tensor? quant=None) -> Tensor");
+  m.def("pack_quant_weight(Tensor w32, Tensor w) -> Tensor");
   m.def("pack_amx_gemm_weight(Tensor w, bool gated) -> Tensor");
   m.def("amx_gemm_rows() -> int", &pdserve::amx_gemm_rows);
   m.def("small_linear_gated_amx(Tensor x, Tensor w, Tensor gemm, bool gelu) -> Tensor");
@@ -280,4 +331,5 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("small_linear_gated", &pdserve::small_linear_gated_cpu);
   m.impl("pack_amx_gemm_weight", &pdserve::pack_amx_gemm_weight_cpu);
   m.impl("small_linear_gated_amx", &pdserve::small_linear_gated_amx_cpu);
+  m.impl("pack_quant_weight", &pdserve::pack_quant_weight_cpu);
 }

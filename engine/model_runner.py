@@ -86,15 +86,18 @@ class ModelRunner:
 
 
 def _packed_to_huge_pages(model) -> None:
-    """Move the linear kernel's packed weight copies (what a decode step streams) to huge pages
-    (engine/hugepages.py); the shared weights' mapping has them already."""
+    """Move the linear kernel's packed weight copies and quant copies (what a decode step streams)
+    to huge pages (engine/hugepages.py); the shared weights' mapping has them already."""
     from engine import hugepages
     from engine.layers.linear import Linear
 
-    mods = [m for m in model.modules() if isinstance(m, Linear) and m._packed is not None]
-    views = hugepages.empty_like_all([m._packed[1] for m in mods])
+    mods = [m for m in model.modules() if isinstance(m, Linear)]
+    copies = [(m, "_packed") for m in mods if m._packed is not None]
+    copies += [(m, "_quant") for m in mods if m.quant_weight() is not None]
+    views = hugepages.empty_like_all([getattr(m, attr)[1] for m, attr in copies])
     if views is None:
         return
-    for m, v in zip(mods, views):  # each 4 KB copy is freed as soon as it is copied
-        m._packed = (m._packed[0], v.copy_(m._packed[1]))
+    for (m, attr), v in zip(copies, views):  # each 4 KB copy is freed as soon as it is copied
+        key, t = getattr(m, attr)
+        setattr(m, attr, (key, v.copy_(t)))
     hugepages.release_freed_memory()  # their heap pages

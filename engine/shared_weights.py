@@ -74,6 +74,8 @@ def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             out.append((name + "._packed", mod._packed[1]))
         if isinstance(mod, Linear) and mod._gemm is not None and mod._gemm[1] is not None:
             out.append((name + "._gemm", mod._gemm[1]))
+        if isinstance(mod, Linear) and mod.quant_weight() is not None:
+            out.append((name + "._quant", mod._quant[1]))
     return out
 
 
@@ -185,7 +187,7 @@ def _swap(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], views: list
     new = {name: v for (name, _), v in zip(tensors, views)}
     # One Parameter per tensor: a tied one, held by two modules, stays one object.
     by_ptr = {t.data_ptr(): nn.Parameter(new[name], requires_grad=False)
-              for name, t in tensors if not name.endswith(("._packed", "._gemm"))}
+              for name, t in tensors if not name.endswith(("._packed", "._gemm", "._quant"))}
     for mod in model.modules():
         for pname, p in list(mod._parameters.items()):
             if p is not None and p.data_ptr() in by_ptr:
@@ -195,3 +197,5 @@ def _swap(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], views: list
             mod._packed = (mod.packed_key(), new[name + "._packed"])
         if isinstance(mod, Linear) and name + "._gemm" in new:
             mod._gemm = (mod.gemm_key(), new[name + "._gemm"])
+        if isinstance(mod, Linear) and name + "._quant" in new:
+            mod._quant = (Linear.packed_key(mod), new[name + "._quant"])

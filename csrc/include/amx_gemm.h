@@ -35,6 +35,17 @@ void amx_gemm_pack(const c10::BFloat16* w, int64_t N, int64_t K, bool gated, uin
 // not granted, nothing written).
 int64_t run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
                 int64_t M, int64_t N, int64_t K);
+
+// The same with the W tiles rebuilt from a block-quantized copy of w (amx_quant_pack; same bits).
+enum { kQuantQ4 = 1, kQuantQ8 = 2 };
+int64_t run_amx_quant(const c10::BFloat16* x, const uint8_t* quant, int kind, const c10::BFloat16* bias,
+                      c10::BFloat16* out, int64_t M, int64_t N, int64_t K);
+// Bytes of that copy of a [N, K] weight in `kind`'s form (0: K % 32 != 0 or N < 16).
+int64_t amx_quant_bytes(int64_t N, int64_t K, int kind);
+// Finds w's rows [0, N / 16 * 16) in Q4_1's form (into out4), else Q8_0's (into out8), from its
+// fp32 values w32, each rebuilt weight checked against the bf16 w; returns the kind written, 0
+// for none.
+int amx_quant_pack(const float* w32, const c10::BFloat16* w, int64_t N, int64_t K, uint8_t* out4, uint8_t* out8);
 #endif
 
 }  // namespace pdserve

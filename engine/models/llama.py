@@ -17,7 +17,7 @@ from engine.kv_cache import KVPool
 from engine.layers import norm, paged_attention_op
 from engine.layers.activation import fused_act_available
 from engine.layers.attention import PagedAttention
-from engine.layers.linear import GatedLinear, Linear, amx_gemm_rows, gemm_rows, small_linear_available
+from engine.layers.linear import QUANT_ROWS, GatedLinear, Linear, amx_gemm_rows, gemm_rows, small_linear_available
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, fused_rotary_available
 from engine.models.base import DecoderLM
@@ -112,7 +112,8 @@ class LlamaDecodePlan:
                 layer.post_attention_layernorm.eps, gu.weight, gu.packed_weight(),
                 None if gu._gemm_gated else gu_gemm, gu_gemm if gu._gemm_gated else None,
                 mlp.down_proj.weight, mlp.down_proj.packed_weight(), mlp.down_proj.gemm_weight(), mlp.gelu,
-                a.attn.layer_id, a.attn.scale, a.layer_type, gu.gated()))
+                a.attn.layer_id, a.attn.scale, a.layer_type, gu.gated(),
+                a.qkv_proj.quant_weight(), a.o_proj.quant_weight(), gu.quant_weight(), mlp.down_proj.quant_weight()))
             for mod in (layer.input_layernorm, layer.post_attention_layernorm, a.qkv_proj, a.o_proj,
                         mlp.gate_up_proj, mlp.down_proj):
                 self.weights.append((mod._parameters, "weight", mod.weight, mod.weight._version))
@@ -121,6 +122,7 @@ class LlamaDecodePlan:
         self.h, self.kvh, self.d = model.layers[0].self_attn.h, model.layers[0].self_attn.kvh, model.cfg.head_dim
         self.max_rows = gemm_rows()  # Linear's kernel takes batches up to this; larger ones take torch's GEMM
         self.gated_amx_rows = amx_gemm_rows() or sys.maxsize  # from here a gated copy runs fused on the AMX GEMM
+        self.quant_rows = QUANT_ROWS  # up to here the quant copies (where the layers have them) are read
 
     @classmethod
     def build(cls, model: DecoderLM) -> LlamaDecodePlan | None:
@@ -167,26 +169,29 @@ class LlamaDecodePlan:
         residual = None
         k = x.shape[1]
         gemm_fused = t >= self.gated_amx_rows
+        quant = t <= self.quant_rows
         for (in_w, in_eps, qkv_w, qkv_b, qkv_p, qkv_g, o_w, o_p, o_g, post_w, post_eps, gu_w, gu_p, gu_g, gu_gated,
-             down_w, down_p, down_g, gelu, layer_id, scale, layer_type, fused) in self.layers:
+             down_w, down_p, down_g, gelu, layer_id, scale, layer_type, fused, qkv_q, o_q, gu_q, down_q) in self.layers:
+            if not quant:
+                qkv_q = o_q = gu_q = down_q = None
             if residual is None:
                 n, residual = rms(x, None, in_w, in_eps, False)[0], x
             else:
                 n, residual = rms(x, residual, in_w, in_eps, False)
-            qkv = linear(n, qkv_w, qkv_b, qkv_p, qkv_g)
+            qkv = linear(n, qkv_w, qkv_b, qkv_p, qkv_g, qkv_q)
             cos, sin = tables[layer_type]
             rotated = rotary(qkv[:, :qk].view(t, h + kvh, d), cos, sin)
             cache = pool.full[:, pool.layer_index[layer_id]]
             write(cache, wp, wo, rotated[:, h:], qkv[:, qk:].view(t, kvh, d))
             o = attend(rotated[:, :h].contiguous(), cache, pages, ctx, scale)
-            n, residual = rms(linear(o.view(t, h * d), o_w, None, o_p, o_g), residual, post_w, post_eps, False)
+            n, residual = rms(linear(o.view(t, h * d), o_w, None, o_p, o_g, o_q), residual, post_w, post_eps, False)
             if fused:
                 a = gated(n, gu_p, k, gelu)
             elif gemm_fused and gu_gated is not None:
                 a = gated_amx(n, gu_w, gu_gated, gelu)
             else:
-                a = act(linear(n, gu_w, None, gu_p, gu_g), gelu)
-            x = linear(a, down_w, None, down_p, down_g)
+                a = act(linear(n, gu_w, None, gu_p, gu_g, gu_q), gelu)
+            x = linear(a, down_w, None, down_p, down_g, down_q)
             if hook is not None:
                 hook()
         return model.norm.add_norm(x, residual)[0]

@@ -64,6 +64,9 @@ class WeightLoader:
         dtype, device = model.embed_tokens.weight.dtype, model.device
         tied = model.cfg.tie_word_embeddings or not self.has("lm_head.weight")
         params = [(n, p) for n, p in model.named_parameters() if not (tied and n == "lm_head.weight")]
+        from engine.layers.linear import Linear
+
+        embed32 = None  # the tied head's fp32 values, for its quant copy
         for name, param in tqdm(params, desc="loading weights", leave=False, disable=None):
             if name == "lm_head.weight":
                 srcs = ["lm_head.weight"]
@@ -74,8 +77,18 @@ class WeightLoader:
                 raise ValueError(f"{srcs}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
             new = nn.Parameter(tensor.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
             _set_param(model, name, new)
+            mod_path, _, leaf = name.rpartition(".")
+            if leaf == "weight" and tensor.dtype == torch.float32 and dtype == torch.bfloat16:
+                # a checkpoint dequantized from GGUF: its Q4_1 / Q8_0 blocks, exact, for the decode kernel
+                mod = model.get_submodule(mod_path)
+                if isinstance(mod, Linear):
+                    mod.attach_quant(tensor)
+                elif tied and name == "embed_tokens.weight":
+                    embed32 = tensor
         if tied:
             model.lm_head.weight = model.embed_tokens.weight
+            if embed32 is not None and isinstance(model.lm_head, Linear):
+                model.lm_head.attach_quant(embed32)
         self._handles.clear()
 
 

@@ -63,6 +63,37 @@ def test_plan_matches_the_modules_for_a_batch_above_16_rows(engine):
     assert len(planned) == 20
 
 
+def test_the_embedded_models_quant_copies_decode_its_bits(engine):
+    """SmolLM2's GGUF is Q4_1 (layers) and Q8_0 (embedding, tied head): where AMX runs, every
+    Linear gets the exact block copy at load and decode batches read it; the tokens and logprobs
+    are the bf16 weights', bit for bit (before any test here changes a weight)."""
+    from engine.layers.linear import Linear
+
+    if not torch.ops.pdserve.small_linear_amx():
+        pytest.skip("no AMX on this CPU: no quant copies")
+    model = engine.runner.model
+    lins = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.quant_weight() is not None for m in lins)
+    head = model.lm_head.weight
+    assert model.lm_head.quant_weight().numel() == head.shape[0] // 16 * head.shape[1] // 32 * 576  # Q8_0
+    lin = model.layers[0].self_attn.o_proj
+    assert lin.quant_weight().numel() == lin.weight.numel() // 512 * 384  # Q4_1
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (40, 90, 7)]
+    with_quant = _run(engine, prompts, use_plan=True)
+    saved = {m: m._quant for m in lins}
+    try:
+        for m in lins:
+            m._quant = None
+        model.__dict__.pop("_decode_plan", None)
+        assert with_quant == _run(engine, prompts, use_plan=True)
+        assert with_quant == _run(engine, prompts, use_plan=False)
+    finally:
+        for m, q in saved.items():
+            m._quant = q
+        model.__dict__.pop("_decode_plan", None)
+
+
 def test_plan_is_rebuilt_when_a_weight_changes(engine):
     model = engine.runner.model
     plan = model.decode_plan()

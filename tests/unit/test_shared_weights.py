@@ -191,3 +191,47 @@ def test_a_file_of_another_size_is_not_used(tiny_model_dir, reference, tmp_path)
         assert _greedy(eng) == reference("llama_tied_linear")
     finally:
         eng.close()
+
+
+def _as_q4_1(src, out):
+    """A copy of checkpoint `src` whose 2-D weights are GGUF Q4_1 dequantized values (d q + m per
+    32-weight block, d and m fp16): what the cache holds for a GGUF model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    for f in out.glob("*.safetensors"):
+        sd = load_file(str(f))
+        for name, t in sd.items():
+            if t.dim() == 2 and t.shape[1] % 32 == 0:
+                b = t.reshape(t.shape[0], -1, 32)
+                lo = b.amin(-1, keepdim=True).half().float()
+                d = ((b.amax(-1, keepdim=True) - lo) / 15).half().float()
+                q = torch.where(d > 0, (b - lo) / d, 0).round().clamp(0, 15)  # (a padding row: all 0)
+                sd[name] = (d * q + lo).reshape(t.shape).contiguous()
+        save_file(sd, str(f), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.skipif(not (linear.small_linear_available() and torch.ops.pdserve.small_linear_amx()),
+                    reason="no AMX on this CPU: no quant copies")
+def test_quant_copies_are_shared_and_decode_the_bits_of_the_bf16_weights(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir = _as_q4_1(tiny_model_dir("llama_tied_linear"), tmp_path / "q4")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    first, second = _engine(model_dir, str(shared)), _engine(model_dir, str(shared))
+    monkeypatch.setenv("PDSERVE_QUANT_COPY", "0")
+    private = _engine(model_dir)
+    try:
+        for eng in (first, second):
+            sw, model = eng.runner.shared_weights, eng.runner.model
+            quant = [m.quant_weight() for m in model.modules() if isinstance(m, Linear)]
+            assert sw is not None and quant and all(q is not None and sw.holds(q) for q in quant)
+        assert not any(m.quant_weight() is not None for m in private.runner.model.modules() if isinstance(m, Linear))
+        expect = _greedy(private)
+        assert _greedy(first) == expect and _greedy(second) == expect
+    finally:
+        first.close()
+        second.close()
+        private.close()
