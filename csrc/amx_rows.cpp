@@ -74,13 +74,32 @@ inline void amx_rows(const c10::BFloat16* w, const uint16_t* xp, int64_t K, floa
 // A tile in L1, in the order run_tiles reads them: pass (4 row blocks) -> 32-k slice -> row block.
 // Each tile row is one 32-weight block:
 //   kQuantQ4 (GGUF Q4_1's form): w = bf16(d * q + m), q in 0..15; a tile is d[16], m[16] (fp32)
-//     then 16 rows of 16 bytes, byte j holding q_j (low nibble) and q_{j+16} (high nibble);
+//     then 16 rows of 16 bytes of nibbles (q4_nibble's order);
 //   kQuantQ8 (GGUF Q8_0's form): w = bf16(d * q), q in -128..127; a tile is d[16] then 16 rows of
 //     32 int8.
 // The rebuild rounds as the bf16 copy was made (fp32 -> bf16, nearest even) with the same fp32
 // value: fma(d, q, m) is exact where d * q is (every GGUF block: d has 11 significant bits);
 // amx_quant_pack checks every rebuilt weight against the bf16 weight and refuses a copy that
 // differs in one bit. So the tiles, and the products, are the W-tile path's.
+// Q4 nibble order: a row's 16 bytes are two 64-bit words; word s holds, in nibbles 0-15, the
+// weights e with (e / 4) % 2 == s in increasing order, so nibble p of word s is weight
+// e = 4 (2 (p / 4) + s) + p % 4 -- what vpmultishiftqb needs to put weight e's nibble in word e of
+// a broadcast row (lane e / 4 reads word (e / 4) % 2).
+constexpr int q4_nibble(int e) {  // nibble index (8 s + p / 2 byte, low nibble for even p) of weight e
+  const int i = e / 4, p = (i / 2) * 4 + e % 4;
+  return (i % 2) * 16 + p;
+}
+
+struct alignas(64) Q4Select {  // vpmultishiftqb's bit offsets: word e's bytes from nibble p of its lane
+  uint8_t c[64];
+  constexpr Q4Select() : c() {
+    for (int e = 0; e < 32; ++e) c[2 * e] = c[2 * e + 1] = static_cast<uint8_t>(4 * (q4_nibble(e) % 16));
+  }
+};
+constexpr Q4Select kQ4Select;
+
+inline __m512i q4_select() { return _mm512_load_si512(kQ4Select.c); }
+
 template <int Kind>
 inline void rebuild_tile(const uint8_t* q, uint16_t* buf) {
   const float* d = reinterpret_cast<const float*>(q);
@@ -88,17 +107,21 @@ inline void rebuild_tile(const uint8_t* q, uint16_t* buf) {
     const float* m = d + 16;
     const uint8_t* nib = q + 128;
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    // words 0-15 keep the byte (vpermw reads its low 5 bits: q_j plus one bit of q_{j+16}, so
-    // the 16-entry table is in both halves), words 16-31 take the high nibble
-    const __m512i shift = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4,
-                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(d[r]), iota, _mm512_set1_ps(m[r]));
-      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
-      const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + 16 * r)));
-      const __m512i idx = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(b), shift);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(buf + 32 * r), _mm512_permutexvar_epi16(idx, table));
+    const __m512i select = q4_select(), low = _mm512_set1_epi16(0x0f), high = _mm512_set1_epi16(0x10);
+    // two rows a step: one conversion makes both tables (row r's 16 values in words 0-15, row
+    // r + 1's in 16-31); a row's 16 bytes broadcast to every lane, vpmultishiftqb puts weight e's
+    // nibble in the low byte of word e, bit 4 then picks the row's table and vpermw looks it up
+#pragma GCC unroll 8
+    for (int r = 0; r < 16; r += 2) {
+      const __m512 v0 = _mm512_fmadd_ps(_mm512_set1_ps(d[r]), iota, _mm512_set1_ps(m[r]));
+      const __m512 v1 = _mm512_fmadd_ps(_mm512_set1_ps(d[r + 1]), iota, _mm512_set1_ps(m[r + 1]));
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+      const __m512i b0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + 16 * r)));
+      const __m512i b1 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nib + 16 * r + 16)));
+      const __m512i i0 = _mm512_and_si512(_mm512_multishift_epi64_epi8(select, b0), low);
+      const __m512i i1 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(select, b1), low, high, 0xea);  // a & b | c
+      _mm512_store_si512(reinterpret_cast<__m512i*>(buf + 32 * r), _mm512_permutexvar_epi16(i0, table));
+      _mm512_store_si512(reinterpret_cast<__m512i*>(buf + 32 * r + 32), _mm512_permutexvar_epi16(i1, table));
     }
   } else {
     const int8_t* qs = reinterpret_cast<const int8_t*>(q + 64);
@@ -308,8 +331,11 @@ int amx_quant_pack(const float* w32, const c10::BFloat16* w, int64_t N, int64_t 
             bool found;
             if (kind == kQuantQ4) {
               found = find_q4(v, d + r, d + 16 + r, q);
-              if (found)
-                for (int j = 0; j < 16; ++j) tp[128 + 16 * r + j] = static_cast<uint8_t>(q[j] | (q[j + 16] << 4));
+              if (found) {
+                uint8_t* row = tp + 128 + 16 * r;
+                std::memset(row, 0, 16);
+                for (int e = 0; e < 32; ++e) row[q4_nibble(e) / 2] |= static_cast<uint8_t>(q[e] << (4 * (q4_nibble(e) % 2)));
+              }
             } else {
               found = find_q8(v, d + r, reinterpret_cast<int8_t*>(tp + 64 + 32 * r));
             }

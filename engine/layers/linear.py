@@ -28,7 +28,8 @@ SmolLM2's layers: 6 bits a weight read with d and m in fp32) or Q8_0's (d q; its
 tied head: 9 bits). Decode batches of up to QUANT_ROWS rows read it instead of the bf16 weight and
 rebuild each 16 x 32 tile in L1 before its tile product: the same bf16 values, so the same bits
 (each copy is checked weight for weight against the bf16 weight when it is made), from 2.4x fewer
-bytes. SmolLM2, one thread, in-process: a 4-row decode step 40 -> 30 ms, 16 rows 68 -> 57 ms.
+bytes. SmolLM2, one thread, in-process: a 4-row decode step 36-40 -> 26-30 ms, 16 rows 62-68 ->
+54-57 ms (the rebuild, not the reads, is most of the layers' time: ~5 cycles a 32-weight block).
 PDSERVE_QUANT_COPY=0 turns it off.
 
 GatedLinear, a gated MLP's fused gate|up projection, runs the activation in the kernel's
