@@ -418,3 +418,20 @@ def test_the_layer_keeps_its_quant_copy_until_the_weight_changes(monkeypatch):
     assert torch.equal(lin(x), small_linear(x, lin.weight))
     monkeypatch.setenv("PDSERVE_QUANT_COPY", "0")
     assert not lin.attach_quant(w32 * 2)
+
+
+@needs_amx
+def test_quant_copy_bits_do_not_depend_on_the_thread_count():
+    w32 = _q4_1(4096, 576, seed=3)  # 64 passes of 4 row blocks: the threads split them
+    w = w32.bfloat16()
+    q = linear.pack_quant_weight(w32, w)
+    x = torch.randn(7, 576).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = small_linear(x, w, None, None, None, q)
+        torch.set_num_threads(2)
+        two = small_linear(x, w, None, None, None, q)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and torch.equal(one, small_linear(x, w))
