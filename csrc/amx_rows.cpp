@@ -307,54 +307,42 @@ int64_t amx_quant_bytes(int64_t N, int64_t K, int kind) {
   return N / 16 * (K / 32) * (kind == kQuantQ8 ? tile_bytes<kQuantQ8>() : tile_bytes<kQuantQ4>());
 }
 
-int amx_quant_pack(const float* w32, const c10::BFloat16* w, int64_t N, int64_t K, uint8_t* out4, uint8_t* out8) {
-  // Tries Q4 into out4 (amx_quant_bytes(N, K, kQuantQ4) bytes), then Q8 into out8; rows past the
-  // last full 16 are not in the copy (the AVX-512 path computes them).
+bool amx_quant_pack(const float* w32, const c10::BFloat16* w, int64_t N, int64_t K, int kind, uint8_t* out) {
+  // Rows past the last full 16 are not in the copy (the AVX-512 path computes them).
   const int64_t nblocks = N / kTileN, kcs = K / 32;
-  if (K % 32 || nblocks == 0 || !amx::permitted()) return 0;
-  for (int kind : {kQuantQ4, kQuantQ8}) {
-    uint8_t* out = kind == kQuantQ4 ? out4 : out8;
-    if (!out) continue;
-    const int64_t tile = kind == kQuantQ8 ? tile_bytes<kQuantQ8>() : tile_bytes<kQuantQ4>();
-    std::atomic<bool> ok{true};
-    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-      alignas(64) uint16_t buf[512];
-      uint8_t q[32];
-      for (int64_t nb = b0; nb < b1 && ok.load(std::memory_order_relaxed); ++nb) {
-        const int64_t p = nb / kTilesN, t = nb % kTilesN;
-        const int64_t nt = std::min<int64_t>(kTilesN, nblocks - p * kTilesN);
-        for (int64_t kc = 0; kc < kcs && ok.load(std::memory_order_relaxed); ++kc) {
-          uint8_t* tp = out + ((p * kTilesN) * kcs + kc * nt + t) * tile;
-          float* d = reinterpret_cast<float*>(tp);
-          for (int r = 0; r < 16; ++r) {
-            const float* v = w32 + (nb * kTileN + r) * K + kc * 32;
-            bool found;
-            if (kind == kQuantQ4) {
-              found = find_q4(v, d + r, d + 16 + r, q);
-              if (found) {
-                uint8_t* row = tp + 128 + 16 * r;
-                std::memset(row, 0, 16);
-                for (int e = 0; e < 32; ++e) row[q4_nibble(e) / 2] |= static_cast<uint8_t>(q[e] << (4 * (q4_nibble(e) % 2)));
-              }
-            } else {
-              found = find_q8(v, d + r, reinterpret_cast<int8_t*>(tp + 64 + 32 * r));
-            }
-            if (!found) {
-              ok = false;
-              break;
-            }
+  if (K % 32 || nblocks == 0 || !amx::permitted()) return false;
+  const int64_t tile = kind == kQuantQ8 ? tile_bytes<kQuantQ8>() : tile_bytes<kQuantQ4>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) uint16_t buf[512];
+    uint8_t q[32];
+    for (int64_t nb = b0; nb < b1 && ok.load(std::memory_order_relaxed); ++nb) {
+      const int64_t p = nb / kTilesN, t = nb % kTilesN;
+      const int64_t nt = std::min<int64_t>(kTilesN, nblocks - p * kTilesN);
+      for (int64_t kc = 0; kc < kcs && ok.load(std::memory_order_relaxed); ++kc) {
+        uint8_t* tp = out + ((p * kTilesN) * kcs + kc * nt + t) * tile;
+        float* d = reinterpret_cast<float*>(tp);
+        for (int r = 0; r < 16 && ok.load(std::memory_order_relaxed); ++r) {
+          const float* v = w32 + (nb * kTileN + r) * K + kc * 32;
+          if (kind == kQuantQ8) {
+            if (!find_q8(v, d + r, reinterpret_cast<int8_t*>(tp + 64 + 32 * r))) ok = false;
+          } else if (!find_q4(v, d + r, d + 16 + r, q)) {
+            ok = false;
+          } else {
+            uint8_t* row = tp + 128 + 16 * r;
+            std::memset(row, 0, 16);
+            for (int e = 0; e < 32; ++e) row[q4_nibble(e) / 2] |= static_cast<uint8_t>(q[e] << (4 * (q4_nibble(e) % 2)));
           }
-          if (!ok.load(std::memory_order_relaxed)) break;
-          // every rebuilt weight must be the bf16 weight, bit for bit
-          if (kind == kQuantQ4) rebuild_tile<kQuantQ4>(tp, buf); else rebuild_tile<kQuantQ8>(tp, buf);
-          for (int r = 0; r < 16 && ok.load(std::memory_order_relaxed); ++r)
-            if (std::memcmp(buf + 32 * r, w + (nb * kTileN + r) * K + kc * 32, 64) != 0) ok = false;
         }
+        if (!ok.load(std::memory_order_relaxed)) break;
+        // every rebuilt weight must be the bf16 weight, bit for bit
+        if (kind == kQuantQ8) rebuild_tile<kQuantQ8>(tp, buf); else rebuild_tile<kQuantQ4>(tp, buf);
+        for (int r = 0; r < 16 && ok.load(std::memory_order_relaxed); ++r)
+          if (std::memcmp(buf + 32 * r, w + (nb * kTileN + r) * K + kc * 32, 64) != 0) ok = false;
       }
-    });
-    if (ok) return kind;
-  }
-  return 0;
+    }
+  });
+  return ok;
 }
 
 }  // namespace pdserve

@@ -229,13 +229,11 @@ at::Tensor pack_quant_weight_cpu(const at::Tensor& w32, const at::Tensor& w) {
               "pack_quant_weight: w32 must be a contiguous float32 tensor of w's shape");
 #if defined(PDSERVE_AMX)
   const int64_t N = w.size(0), K = w.size(1);
-  const int64_t b4 = amx_quant_bytes(N, K, kQuantQ4), b8 = amx_quant_bytes(N, K, kQuantQ8);
-  if (b4 && amx::permitted()) {
-    at::Tensor q4 = at::empty({b4}, w.options().dtype(at::kByte)), q8 = at::empty({b8}, w.options().dtype(at::kByte));
-    const int kind = amx_quant_pack(w32.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), N, K, q4.data_ptr<uint8_t>(),
-                                    q8.data_ptr<uint8_t>());
-    if (kind == kQuantQ4) return q4;
-    if (kind == kQuantQ8) return q8;
+  for (int kind : {kQuantQ4, kQuantQ8}) {  // Q4 first: fewer bytes
+    const int64_t bytes = amx_quant_bytes(N, K, kind);
+    if (!bytes || !amx::permitted()) break;
+    at::Tensor q = at::empty({bytes}, w.options().dtype(at::kByte));
+    if (amx_quant_pack(w32.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), N, K, kind, q.data_ptr<uint8_t>())) return q;
   }
 #endif
   return at::empty({0}, w.options().dtype(at::kByte));

@@ -42,10 +42,10 @@ int64_t run_amx_quant(const c10::BFloat16* x, const uint8_t* quant, int kind, co
                       c10::BFloat16* out, int64_t M, int64_t N, int64_t K);
 // Bytes of that copy of a [N, K] weight in `kind`'s form (0: K % 32 != 0 or N < 16).
 int64_t amx_quant_bytes(int64_t N, int64_t K, int kind);
-// Finds w's rows [0, N / 16 * 16) in Q4_1's form (into out4), else Q8_0's (into out8), from its
-// fp32 values w32, each rebuilt weight checked against the bf16 w; returns the kind written, 0
-// for none.
-int amx_quant_pack(const float* w32, const c10::BFloat16* w, int64_t N, int64_t K, uint8_t* out4, uint8_t* out8);
+// Writes w's rows [0, N / 16 * 16) in `kind`'s form (amx_quant_bytes(N, K, kind) bytes) to out,
+// found from its fp32 values w32, each rebuilt weight checked against the bf16 w; false (out
+// half written) where some block is not in that form.
+bool amx_quant_pack(const float* w32, const c10::BFloat16* w, int64_t N, int64_t K, int kind, uint8_t* out);
 #endif
 
 }  // namespace pdserve

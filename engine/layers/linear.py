@@ -25,7 +25,7 @@ Where the checkpoint is a GGUF model's dequantized values (the model cache conve
 safetensors) and AMX runs, the loader also gives each layer a block-quantized copy of its weight
 (`attach_quant`, `pack_quant_weight`): every 32-weight block found exactly in Q4_1's form (d q + m;
 SmolLM2's layers: 6 bits a weight read with d and m in fp32) or Q8_0's (d q; its embedding, the
-tied head: 9 bits). Decode batches of up to QUANT_ROWS rows read it instead of the bf16 weight and
+tied head: 9 bits). Decode batches of up to 16 rows read it instead of the bf16 weight and
 rebuild each 16 x 32 tile in L1 before its tile product: the same bf16 values, so the same bits
 (each copy is checked weight for weight against the bf16 weight when it is made), from 2.4x fewer
 bytes. SmolLM2, one thread, in-process: a 4-row decode step 36-40 -> 26-30 ms, 16 rows 62-68 ->
@@ -60,8 +60,6 @@ GEMM_ROWS = 1024
 # Without AMX the packed AVX512-BF16 kernel takes inputs of any row count (AMD Zen 4, one
 # thread: 1.1-1.2x oneDNN at 64-1024 rows, x in slices that fit L2 above that).
 ALL_ROWS = sys.maxsize
-# Batches up to this many rows read a weight's quant copy where it has one (csrc: kQuantRows).
-QUANT_ROWS = 16
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
@@ -86,7 +84,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     pack_weight(weight) (without it the call packs a copy itself, a pass over the weight);
     `gemm` is pack_gemm_weight(weight), read where the AMX GEMM runs (packed per call without it);
     `quant` is pack_quant_weight(weight's fp32 values, weight), read instead of the weight by the
-    AMX tiles of batches up to QUANT_ROWS rows (same bits).
+    AMX tiles of batches up to 16 rows (same bits; larger ones take the paths above).
     Raises RuntimeError on other dtypes, layouts or shapes, or when unsupported here.
     """
     return torch.ops.pdserve.small_linear(x, weight, bias, packed, gemm, quant)
@@ -245,8 +243,7 @@ class Linear(nn.Linear):
             gemm = None
             if x.shape[0] >= amx_gemm_rows() > 0 and not self._gemm_gated:
                 gemm = self.gemm_weight()
-            quant = self.quant_weight() if x.shape[0] <= QUANT_ROWS else None
-            return small_linear(x.contiguous(), w, self.bias, self.packed_weight(), gemm, quant)
+            return small_linear(x.contiguous(), w, self.bias, self.packed_weight(), gemm, self.quant_weight())
         return F.linear(x, w, self.bias)
 
 

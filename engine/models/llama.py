@@ -17,7 +17,7 @@ from engine.kv_cache import KVPool
 from engine.layers import norm, paged_attention_op
 from engine.layers.activation import fused_act_available
 from engine.layers.attention import PagedAttention
-from engine.layers.linear import QUANT_ROWS, GatedLinear, Linear, amx_gemm_rows, gemm_rows, small_linear_available
+from engine.layers.linear import GatedLinear, Linear, amx_gemm_rows, gemm_rows, small_linear_available
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, fused_rotary_available
 from engine.models.base import DecoderLM
@@ -122,7 +122,6 @@ class LlamaDecodePlan:
         self.h, self.kvh, self.d = model.layers[0].self_attn.h, model.layers[0].self_attn.kvh, model.cfg.head_dim
         self.max_rows = gemm_rows()  # Linear's kernel takes batches up to this; larger ones take torch's GEMM
         self.gated_amx_rows = amx_gemm_rows() or sys.maxsize  # from here a gated copy runs fused on the AMX GEMM
-        self.quant_rows = QUANT_ROWS  # up to here the quant copies (where the layers have them) are read
 
     @classmethod
     def build(cls, model: DecoderLM) -> LlamaDecodePlan | None:
@@ -169,11 +168,8 @@ class LlamaDecodePlan:
         residual = None
         k = x.shape[1]
         gemm_fused = t >= self.gated_amx_rows
-        quant = t <= self.quant_rows
         for (in_w, in_eps, qkv_w, qkv_b, qkv_p, qkv_g, o_w, o_p, o_g, post_w, post_eps, gu_w, gu_p, gu_g, gu_gated,
              down_w, down_p, down_g, gelu, layer_id, scale, layer_type, fused, qkv_q, o_q, gu_q, down_q) in self.layers:
-            if not quant:
-                qkv_q = o_q = gu_q = down_q = None
             if residual is None:
                 n, residual = rms(x, None, in_w, in_eps, False)[0], x
             else:

@@ -1,0 +1,109 @@
+"""The quant copy (engine/layers/linear.py `pack_quant_weight`, csrc/amx_rows.cpp): a weight whose
+32-weight blocks are exactly GGUF Q4_1's or Q8_0's form, rebuilt in the AMX tiles, gives the bf16
+weight's bits; anything else gets no copy. Skipped where the CPU has no AMX."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers import linear
+from engine.layers.linear import Linear, small_linear, small_linear_available
+
+pytestmark = pytest.mark.skipif(not (small_linear_available() and torch.ops.pdserve.small_linear_amx()),
+                                reason="no AMX on this CPU")
+
+
+def _q4_1(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """fp32 [n, k] weights as GGUF Q4_1 dequantizes them: d q + m per 32-weight block, d and m fp16."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02).half().float()
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.15).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # as Q4_1 quantizes: the block's min and max are q = 0 and 15
+    return (d * q + m).reshape(n, k).contiguous()
+
+
+def _q8_0(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """fp32 [n, k] weights as GGUF Q8_0 dequantizes them: d q per 32-weight block, d fp16."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127
+    return (d * q).reshape(n, k).contiguous()
+
+
+@pytest.mark.parametrize("form", [_q4_1, _q8_0])
+@pytest.mark.parametrize("n,k", [(64, 64), (48, 576), (960, 576), (40, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_quant_copy_gives_the_bits_of_the_bf16_weight(form, n, k, bias):
+    w32 = form(n, k)
+    w = w32.bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    q = linear.pack_quant_weight(w32, w)
+    assert q is not None and q.dtype == torch.uint8
+    assert q.numel() == n // 16 * k // 32 * (384 if form is _q4_1 else 576)  # 6 / 9 bits a weight
+    for m in (1, 3, 4, 15, 16):
+        x = torch.randn(m, k).bfloat16()
+        assert torch.equal(small_linear(x, w, b, None, None, q), small_linear(x, w, b)), m
+
+
+def test_weights_not_in_a_block_form_get_no_quant_copy():
+    w32 = _q4_1(64, 64)
+    w32[5, 7] += 1e-4  # one weight off its block's grid
+    assert linear.pack_quant_weight(w32, w32.bfloat16()) is None
+    assert linear.pack_quant_weight(torch.randn(64, 64), torch.randn(64, 64).bfloat16()) is None
+    w32 = _q4_1(64, 64)
+    w = w32.bfloat16()
+    w[0, 0] = w[0, 0] + 1  # a bf16 weight that is not the fp32 values rounded: refused, not trusted
+    assert linear.pack_quant_weight(w32, w) is None
+    assert linear.pack_quant_weight(_q4_1(8, 64), _q4_1(8, 64).bfloat16()) is None  # no full 16 rows
+    assert linear.pack_quant_weight(w32[:, :48].contiguous(), w32[:, :48].bfloat16()) is None  # K % 32
+
+
+def test_a_quant_copy_of_another_shape_is_refused():
+    w32 = _q4_1(64, 64)
+    q = linear.pack_quant_weight(w32, w32.bfloat16())
+    with pytest.raises(RuntimeError, match="quant"):
+        small_linear(torch.randn(2, 64).bfloat16(), _q4_1(32, 64).bfloat16(), None, None, None, q)
+
+
+def test_the_layer_keeps_its_quant_copy_until_the_weight_changes(monkeypatch):
+    w32 = _q4_1(96, 64)
+    lin = Linear(64, 96, bias=False)
+    lin.weight = torch.nn.Parameter(w32.bfloat16(), requires_grad=False)
+    assert lin.attach_quant(w32) and lin.quant_weight() is not None
+    x = torch.randn(4, 64).bfloat16()
+    calls = []
+    real = torch.ops.pdserve.small_linear
+
+    class Spy:
+        def __call__(self, *a):
+            calls.append(a[5] is not None)
+            return real(*a)
+    monkeypatch.setattr(linear.torch.ops.pdserve, "small_linear", Spy(), raising=False)
+    y = lin(x)
+    assert calls == [True] and torch.equal(y, small_linear(x, lin.weight))
+    chunk = torch.randn(40, 64).bfloat16()  # a prefill chunk: the kernel reads the bf16 weight (or its GEMM copy)
+    assert torch.equal(lin(chunk), small_linear(chunk, lin.weight))
+    with torch.no_grad():
+        lin.weight.mul_(2)  # changed in place: the copy no longer matches and is dropped
+    assert lin.quant_weight() is None
+    assert torch.equal(lin(x), small_linear(x, lin.weight))
+    monkeypatch.setenv("PDSERVE_QUANT_COPY", "0")
+    assert not lin.attach_quant(w32 * 2)
+
+
+def test_quant_copy_bits_do_not_depend_on_the_thread_count():
+    w32 = _q4_1(4096, 576, seed=3)  # 64 passes of 4 row blocks: the threads split them
+    w = w32.bfloat16()
+    q = linear.pack_quant_weight(w32, w)
+    x = torch.randn(7, 576).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = small_linear(x, w, None, None, None, q)
+        torch.set_num_threads(2)
+        two = small_linear(x, w, None, None, None, q)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and torch.equal(one, small_linear(x, w))
