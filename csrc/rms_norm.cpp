@@ -41,8 +41,7 @@ void norm_row_bf16(const c10::BFloat16* xr, const c10::BFloat16* rr, const c10::
   float ss = 0.f;
   if (rr) {
     for (int64_t i = 0; i < Dv; i += kLanes) {
-      const f32x16 s = round_bf16(load_bf16(xr + i) + load_bf16(rr + i));
-      store_bf16(sr + i, s);
+      const f32x16 s = round_store_bf16(sr + i, load_bf16(xr + i) + load_bf16(rr + i));
       acc += s * s;
     }
     for (int64_t i = Dv; i < D; ++i) {
@@ -63,7 +62,7 @@ void norm_row_bf16(const c10::BFloat16* xr, const c10::BFloat16* rr, const c10::
   for (int64_t i = 0; i < Dv; i += kLanes) {
     const f32x16 h = load_bf16(src + i) * inv;
     const f32x16 wv = load_bf16(w + i);
-    store_bf16(o + i, gemma ? round_bf16(h * (1.f + wv)) : round_bf16(wv * round_bf16(h)));
+    store_round_bf16(o + i, gemma ? h * (1.f + wv) : wv * round_bf16(h));
   }
   for (int64_t i = Dv; i < D; ++i) {
     const float h = static_cast<float>(src[i]) * inv;

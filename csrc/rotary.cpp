@@ -41,9 +41,9 @@ void rotate_rows(const c10::BFloat16* x, int64_t x_tok, const c10::BFloat16* cos
         for (int64_t i = 0; i < half; i += kLanes) {
           const f32x16 x1 = load_bf16(xr + i), x2 = load_bf16(xr + half + i);
           // first half: x1 cos - x2 sin; second half: x2 cos + x1 sin
-          store_bf16(o + i, round_bf16(round_bf16(x1 * load_bf16(c + i)) - round_bf16(x2 * load_bf16(s + i))));
-          store_bf16(o + half + i, round_bf16(round_bf16(x2 * load_bf16(c + half + i)) +
-                                              round_bf16(x1 * load_bf16(s + half + i))));
+          store_round_bf16(o + i, round_bf16(x1 * load_bf16(c + i)) - round_bf16(x2 * load_bf16(s + i)));
+          store_round_bf16(o + half + i,
+                           round_bf16(x2 * load_bf16(c + half + i)) + round_bf16(x1 * load_bf16(s + half + i)));
         }
       }
     }
