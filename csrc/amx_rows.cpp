@@ -103,9 +103,17 @@ inline __m512i q4_select() { return _mm512_load_si512(kQ4Select.c); }
 template <int Kind>
 inline void rebuild_tile(const uint8_t* q, uint16_t* buf) {
   const float* d = reinterpret_cast<const float*>(q);
-  if (Kind == kQuantQ4) {
+  if (Kind == kQuantQ4 || Kind == kQuantQ4H) {
     const float* m = d + 16;
     const uint8_t* nib = q + 128;
+    alignas(64) float dm[32];  // Q4H: its fp16 d and m as fp32 (exact)
+    if (Kind == kQuantQ4H) {
+      _mm512_store_ps(dm, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
+      _mm512_store_ps(dm + 16, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32))));
+      d = dm;
+      m = dm + 16;
+      nib = q + 64;
+    }
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i select = q4_select(), low = _mm512_set1_epi16(0x0f), high = _mm512_set1_epi16(0x10);
     // two rows a step: one conversion makes both tables (row r's 16 values in words 0-15, row
@@ -139,7 +147,12 @@ inline void rebuild_tile(const uint8_t* q, uint16_t* buf) {
 
 template <int Kind>
 constexpr int64_t tile_bytes() {
-  return Kind == kQuantQ4 ? 384 : 576;
+  return Kind == kQuantQ4 ? 384 : Kind == kQuantQ4H ? 320 : 576;
+}
+
+int64_t tile_bytes(int kind) {
+  return kind == kQuantQ4 ? tile_bytes<kQuantQ4>() : kind == kQuantQ4H ? tile_bytes<kQuantQ4H>()
+                                                                       : tile_bytes<kQuantQ8>();
 }
 
 template <int NT, int Kind>
@@ -189,7 +202,7 @@ int64_t run_tiles(const c10::BFloat16* x, const c10::BFloat16* w, const uint8_t*
   for (int64_t g = 0; g < groups; ++g) pack_x(x, M, K, g * kTileM, xp.data() + g * K * kTileM);
   const int64_t passes = (nblocks + kTilesN - 1) / kTilesN;
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kTilesN * kTileN * K * 2));
-  const int64_t tile = kind == kQuantQ8 ? tile_bytes<kQuantQ8>() : tile_bytes<kQuantQ4>();
+  const int64_t tile = tile_bytes(kind);
   const __m512i kColumn = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kTileM));
   at::parallel_for(0, passes, grain, [&](int64_t p0, int64_t p1) {
@@ -205,6 +218,8 @@ int64_t run_tiles(const c10::BFloat16* x, const c10::BFloat16* w, const uint8_t*
         const uint16_t* xg = xp.data() + g * K * kTileM;
         if (quant && kind == kQuantQ8) {
           pass_quant<kQuantQ8>(nt, qb, xg, K, c, bufs);
+        } else if (quant && kind == kQuantQ4H) {
+          pass_quant<kQuantQ4H>(nt, qb, xg, K, c, bufs);
         } else if (quant) {
           pass_quant<kQuantQ4>(nt, qb, xg, K, c, bufs);
         } else {
@@ -304,14 +319,14 @@ int64_t run_amx_quant(const c10::BFloat16* x, const uint8_t* quant, int kind, co
 
 int64_t amx_quant_bytes(int64_t N, int64_t K, int kind) {
   if (K % 32 || N < 16) return 0;
-  return N / 16 * (K / 32) * (kind == kQuantQ8 ? tile_bytes<kQuantQ8>() : tile_bytes<kQuantQ4>());
+  return N / 16 * (K / 32) * tile_bytes(kind);
 }
 
 bool amx_quant_pack(const float* w32, const c10::BFloat16* w, int64_t N, int64_t K, int kind, uint8_t* out) {
   // Rows past the last full 16 are not in the copy (the AVX-512 path computes them).
   const int64_t nblocks = N / kTileN, kcs = K / 32;
   if (K % 32 || nblocks == 0 || !amx::permitted()) return false;
-  const int64_t tile = kind == kQuantQ8 ? tile_bytes<kQuantQ8>() : tile_bytes<kQuantQ4>();
+  const int64_t tile = tile_bytes(kind);
   std::atomic<bool> ok{true};
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) uint16_t buf[512];
@@ -322,21 +337,34 @@ bool amx_quant_pack(const float* w32, const c10::BFloat16* w, int64_t N, int64_t
       for (int64_t kc = 0; kc < kcs && ok.load(std::memory_order_relaxed); ++kc) {
         uint8_t* tp = out + ((p * kTilesN) * kcs + kc * nt + t) * tile;
         float* d = reinterpret_cast<float*>(tp);
+        float dm[2];
         for (int r = 0; r < 16 && ok.load(std::memory_order_relaxed); ++r) {
           const float* v = w32 + (nb * kTileN + r) * K + kc * 32;
           if (kind == kQuantQ8) {
             if (!find_q8(v, d + r, reinterpret_cast<int8_t*>(tp + 64 + 32 * r))) ok = false;
-          } else if (!find_q4(v, d + r, d + 16 + r, q)) {
+          } else if (!find_q4(v, dm, dm + 1, q)) {
             ok = false;
+          } else if (kind == kQuantQ4H && !(static_cast<float>(c10::Half(dm[0])) == dm[0] &&
+                                            static_cast<float>(c10::Half(dm[1])) == dm[1])) {
+            ok = false;  // d or m not exactly fp16: the fp32 form (kQuantQ4) takes this weight
           } else {
-            uint8_t* row = tp + 128 + 16 * r;
+            if (kind == kQuantQ4H) {
+              reinterpret_cast<c10::Half*>(tp)[r] = c10::Half(dm[0]);
+              reinterpret_cast<c10::Half*>(tp)[16 + r] = c10::Half(dm[1]);
+            } else {
+              d[r] = dm[0];
+              d[16 + r] = dm[1];
+            }
+            uint8_t* row = tp + (kind == kQuantQ4H ? 64 : 128) + 16 * r;
             std::memset(row, 0, 16);
             for (int e = 0; e < 32; ++e) row[q4_nibble(e) / 2] |= static_cast<uint8_t>(q[e] << (4 * (q4_nibble(e) % 2)));
           }
         }
         if (!ok.load(std::memory_order_relaxed)) break;
         // every rebuilt weight must be the bf16 weight, bit for bit
-        if (kind == kQuantQ8) rebuild_tile<kQuantQ8>(tp, buf); else rebuild_tile<kQuantQ4>(tp, buf);
+        if (kind == kQuantQ8) rebuild_tile<kQuantQ8>(tp, buf);
+        else if (kind == kQuantQ4H) rebuild_tile<kQuantQ4H>(tp, buf);
+        else rebuild_tile<kQuantQ4>(tp, buf);
         for (int r = 0; r < 16 && ok.load(std::memory_order_relaxed); ++r)
           if (std::memcmp(buf + 32 * r, w + (nb * kTileN + r) * K + kc * 32, 64) != 0) ok = false;
       }

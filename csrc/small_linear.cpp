@@ -22,7 +22,8 @@
 //    Q4_1's d q + m or Q8_0's d q, found from w's fp32 values at load and checked weight for
 //    weight), batches up to kQuantRows rows rebuild each 16 x 32 A tile from it in L1 (a table
 //    of the block's 16 values and one vpermw for Q4, int8 -> fp32 -> bf16 for Q8) instead of
-//    loading it from w: the same tiles, so the same bits, from 6 or 9 bits a weight instead of 16.
+//    loading it from w: the same tiles, so the same bits, from 5 (Q4_1 with GGUF's fp16 d and m),
+//    6 (d, m not fp16) or 9 bits a weight instead of 16.
 //  * AVX512-BF16 on w packed once per weight (pack_linear_weight; the Linear layer keeps
 //    the copy; csrc/packed_linear.cpp): panels of 64 output columns with k in pairs,
 //    x's pairs broadcast against four zmm of a panel (vdpbf16ps), 6 x rows x 4 zmm per
@@ -229,7 +230,7 @@ at::Tensor pack_quant_weight_cpu(const at::Tensor& w32, const at::Tensor& w) {
               "pack_quant_weight: w32 must be a contiguous float32 tensor of w's shape");
 #if defined(PDSERVE_AMX)
   const int64_t N = w.size(0), K = w.size(1);
-  for (int kind : {kQuantQ4, kQuantQ8}) {  // Q4 first: fewer bytes
+  for (int kind : {kQuantQ4H, kQuantQ4, kQuantQ8}) {  // fewest bytes first
     const int64_t bytes = amx_quant_bytes(N, K, kind);
     if (!bytes || !amx::permitted()) break;
     at::Tensor q = at::empty({bytes}, w.options().dtype(at::kByte));
@@ -245,7 +246,9 @@ std::pair<const uint8_t*, int> quant_copy(const c10::optional<at::Tensor>& quant
   if (!quant.has_value() || !quant->defined()) return {nullptr, 0};
   const at::Tensor& q = *quant;
   const int64_t n = q.numel();
-  const int kind = n && n == amx_quant_bytes(N, K, kQuantQ4) ? kQuantQ4 : n && n == amx_quant_bytes(N, K, kQuantQ8) ? kQuantQ8 : 0;
+  int kind = 0;  // the forms' sizes differ (320, 384 and 576 bytes a 16 x 32 tile)
+  for (int k : {kQuantQ4H, kQuantQ4, kQuantQ8})
+    if (n && n == amx_quant_bytes(N, K, k)) kind = k;
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && kind,
               "small_linear: quant must be pack_quant_weight(w32, w) for this w");
   return {q.data_ptr<uint8_t>(), kind};

@@ -37,7 +37,9 @@ int64_t run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloa
                 int64_t M, int64_t N, int64_t K);
 
 // The same with the W tiles rebuilt from a block-quantized copy of w (amx_quant_pack; same bits).
-enum { kQuantQ4 = 1, kQuantQ8 = 2 };
+// Q4: Q4_1 blocks with d, m as fp32 (384 bytes a tile); Q4H: the same with d, m as fp16 where
+// they are exactly fp16 (GGUF's own: 320 bytes); Q8: Q8_0 blocks, d as fp32 (576 bytes).
+enum { kQuantQ4 = 1, kQuantQ8 = 2, kQuantQ4H = 3 };
 int64_t run_amx_quant(const c10::BFloat16* x, const uint8_t* quant, int kind, const c10::BFloat16* bias,
                       c10::BFloat16* out, int64_t M, int64_t N, int64_t K);
 // Bytes of that copy of a [N, K] weight in `kind`'s form (0: K % 32 != 0 or N < 16).

@@ -24,7 +24,8 @@ PDSERVE_GEMM_COPY=0, more than 128 rows.
 Where the checkpoint is a GGUF model's dequantized values (the model cache converts GGUF to fp32
 safetensors) and AMX runs, the loader also gives each layer a block-quantized copy of its weight
 (`attach_quant`, `pack_quant_weight`): every 32-weight block found exactly in Q4_1's form (d q + m;
-SmolLM2's layers: 6 bits a weight read with d and m in fp32) or Q8_0's (d q; its embedding, the
+SmolLM2's layers: 5 bits a weight read, d and m kept as fp16 where they are exactly GGUF's fp16
+values, else as fp32: 6 bits, as Gemma 3's Q4_K blocks give) or Q8_0's (d q; its embedding, the
 tied head: 9 bits). Decode batches of up to 16 rows read it instead of the bf16 weight and
 rebuild each 16 x 32 tile in L1 before its tile product: the same bf16 values, so the same bits
 (each copy is checked weight for weight against the bf16 weight when it is made), from 2.4x fewer
@@ -93,8 +94,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def pack_quant_weight(w32: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """The block-quantized copy of a bf16 [N, K] weight that small_linear's AMX tiles can read
     instead of it, found from the fp32 values `w32` it was rounded from: where every 32-weight
-    block is exactly a GGUF Q4_1 block (w = d q + m, 6 bits a weight read) or Q8_0 block (w = d q,
-    9 bits), every rebuilt weight checked against `weight`. None where that does not hold, AMX
+    block is exactly a GGUF Q4_1 block (w = d q + m, 5 bits a weight read with fp16 d and m, 6
+    where they are not fp16 values) or Q8_0 block (w = d q, 9 bits), every rebuilt weight checked
+    against `weight`. None where that does not hold, AMX
     does not run here, or PDSERVE_QUANT_COPY=0."""
     if (os.environ.get("PDSERVE_QUANT_COPY", "1") == "0" or w32.dtype != torch.float32 or weight.dim() != 2
             or not small_linear_available() or not torch.ops.pdserve.small_linear_amx()):

@@ -23,6 +23,17 @@ def _q4_1(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return (d * q + m).reshape(n, k).contiguous()
 
 
+def _q4_1_m32(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Q4_1's form with each block's m not an fp16 value: the copy keeps d and m as fp32."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02).half().float()
+    m = -torch.rand(n, k // 32, 1, generator=g) * 0.15 - 1e-6  # (an fp16 m has 11 significant bits)
+    assert (m.half().float() != m).any()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q + m).reshape(n, k).contiguous()
+
+
 def _q8_0(n: int, k: int, seed: int = 0) -> torch.Tensor:
     """fp32 [n, k] weights as GGUF Q8_0 dequantizes them: d q per 32-weight block, d fp16."""
     g = torch.Generator().manual_seed(seed)
@@ -32,7 +43,7 @@ def _q8_0(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return (d * q).reshape(n, k).contiguous()
 
 
-@pytest.mark.parametrize("form", [_q4_1, _q8_0])
+@pytest.mark.parametrize("form", [_q4_1, _q4_1_m32, _q8_0])
 @pytest.mark.parametrize("n,k", [(64, 64), (48, 576), (960, 576), (40, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_quant_copy_gives_the_bits_of_the_bf16_weight(form, n, k, bias):
@@ -41,7 +52,7 @@ def test_the_quant_copy_gives_the_bits_of_the_bf16_weight(form, n, k, bias):
     b = torch.randn(n).bfloat16() if bias else None
     q = linear.pack_quant_weight(w32, w)
     assert q is not None and q.dtype == torch.uint8
-    assert q.numel() == n // 16 * k // 32 * (384 if form is _q4_1 else 576)  # 6 / 9 bits a weight
+    assert q.numel() == n // 16 * k // 32 * {_q4_1: 320, _q4_1_m32: 384, _q8_0: 576}[form]  # 5, 6, 9 bits a weight
     for m in (1, 3, 4, 15, 16):
         x = torch.randn(m, k).bfloat16()
         assert torch.equal(small_linear(x, w, b, None, None, q), small_linear(x, w, b)), m
