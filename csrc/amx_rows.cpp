@@ -74,7 +74,9 @@ inline void amx_rows(const c10::BFloat16* w, const uint16_t* xp, int64_t K, floa
 // A tile in L1, in the order run_tiles reads them: pass (4 row blocks) -> 32-k slice -> row block.
 // Each tile row is one 32-weight block:
 //   kQuantQ4 (GGUF Q4_1's form): w = bf16(d * q + m), q in 0..15; a tile is d[16], m[16] (fp32)
-//     then 16 rows of 16 bytes of nibbles (q4_nibble's order);
+//     then 16 rows of 16 bytes of nibbles (q4_nibble's order): 384 bytes;
+//   kQuantQ4H: the same with d[16], m[16] as fp16 (320 bytes), made where every block's d and m
+//     are fp16 values (a Q4_1 GGUF's are; the rebuild widens them exactly);
 //   kQuantQ8 (GGUF Q8_0's form): w = bf16(d * q), q in -128..127; a tile is d[16] then 16 rows of
 //     32 int8.
 // The rebuild rounds as the bf16 copy was made (fp32 -> bf16, nearest even) with the same fp32
