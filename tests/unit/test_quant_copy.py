@@ -3,6 +3,8 @@
 weight's bits; anything else gets no copy. Skipped where the CPU has no AMX."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -13,24 +15,19 @@ pytestmark = pytest.mark.skipif(not (small_linear_available() and torch.ops.pdse
                                 reason="no AMX on this CPU")
 
 
-def _q4_1(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """fp32 [n, k] weights as GGUF Q4_1 dequantizes them: d q + m per 32-weight block, d and m fp16."""
+def _q4_1(n: int, k: int, seed: int = 0, fp16_m: bool = True) -> torch.Tensor:
+    """fp32 [n, k] weights as GGUF Q4_1 dequantizes them: d q + m per 32-weight block, d and m fp16
+    (fp16_m=False: m not an fp16 value, so the copy keeps d and m as fp32)."""
     g = torch.Generator().manual_seed(seed)
     d = (torch.rand(n, k // 32, 1, generator=g) * 0.02).half().float()
-    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.15).half().float()
+    m = -torch.rand(n, k // 32, 1, generator=g) * 0.15
+    if fp16_m:
+        m = m.half().float()
+    else:
+        m = m - 1e-6  # (an fp16 m has 11 significant bits)
+        assert (m.half().float() != m).any()
     q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
     q[..., 0], q[..., 1] = 0, 15  # as Q4_1 quantizes: the block's min and max are q = 0 and 15
-    return (d * q + m).reshape(n, k).contiguous()
-
-
-def _q4_1_m32(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Q4_1's form with each block's m not an fp16 value: the copy keeps d and m as fp32."""
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02).half().float()
-    m = -torch.rand(n, k // 32, 1, generator=g) * 0.15 - 1e-6  # (an fp16 m has 11 significant bits)
-    assert (m.half().float() != m).any()
-    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
-    q[..., 0], q[..., 1] = 0, 15
     return (d * q + m).reshape(n, k).contiguous()
 
 
@@ -43,16 +40,17 @@ def _q8_0(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return (d * q).reshape(n, k).contiguous()
 
 
-@pytest.mark.parametrize("form", [_q4_1, _q4_1_m32, _q8_0])
+@pytest.mark.parametrize("form,tile", [(_q4_1, 320), (partial(_q4_1, fp16_m=False), 384), (_q8_0, 576)],
+                         ids=["q4_1", "q4_1_fp32_m", "q8_0"])  # 5, 6, 9 bits a weight
 @pytest.mark.parametrize("n,k", [(64, 64), (48, 576), (960, 576), (40, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_quant_copy_gives_the_bits_of_the_bf16_weight(form, n, k, bias):
+def test_the_quant_copy_gives_the_bits_of_the_bf16_weight(form, tile, n, k, bias):
     w32 = form(n, k)
     w = w32.bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
     q = linear.pack_quant_weight(w32, w)
     assert q is not None and q.dtype == torch.uint8
-    assert q.numel() == n // 16 * k // 32 * {_q4_1: 320, _q4_1_m32: 384, _q8_0: 576}[form]  # 5, 6, 9 bits a weight
+    assert q.numel() == n // 16 * k // 32 * tile
     for m in (1, 3, 4, 15, 16):
         x = torch.randn(m, k).bfloat16()
         assert torch.equal(small_linear(x, w, b, None, None, q), small_linear(x, w, b)), m
