@@ -44,7 +44,7 @@ void act_rows(const c10::BFloat16* x, c10::BFloat16* out, int64_t T, int64_t I) 
       c10::BFloat16* o = out + r * I;
       int64_t i = 0;
       for (; i + kLanes <= I; i += kLanes) {
-        store_bf16(o + i, act::gated16<kGelu>(load_bf16(g + i), load_bf16(u + i)));
+        act::store_gated16<kGelu>(o + i, load_bf16(g + i), load_bf16(u + i));
       }
       for (; i < I; ++i) {
         const float gv = static_cast<float>(g[i]);

@@ -16,6 +16,9 @@
 // (a gated MLP's gate|up weight [2 I, K]) pairs gate rows 16 b.. with up rows I + 16 b.. in
 // block b, so a block's two C tiles are the gate and up sums of the same 16 outputs, and the
 // epilogue writes act(gate) * up (act_vec.h) instead of [M, 2 I] for act_and_mul to re-read.
+// A row block's epilogue runs a few rows at a time between the next row block's tile products
+// (Pending), so the vector units work while the tile unit does: the gated epilogue costs about
+// as much as its tile products (a 530 x 3072 x 576 gated GEMM on one thread: 1.59 -> 1.42 ms).
 //
 // Numerics are small_linear's exactly: C[m][n] accumulates in fp32, one TDPBF16PS
 // per 32 k in increasing k, products of the same pairs in the same order (the
@@ -90,9 +93,9 @@ void pack_w16(const c10::BFloat16* w, int64_t K, uint32_t* wp, int64_t step) {
 // C tiles 0..3 = x rows [m, m + 32) x w rows [n, n + 32) over k in [32 kc0, 32 kc1);
 // A tiles 4, 5; B tiles 6, 7. The partial sums start at zero (first) or from c, where
 // they are stored again (fp32, exact), so splitting k keeps the order of the sum.
-template <int NB, int MB>
+template <int NB, int MB, class Pend>
 inline void tiles(const c10::BFloat16* x0, const c10::BFloat16* x1, int64_t K, const uint32_t* wp, int64_t kc0,
-                  int64_t kc1, float* c, bool first) {
+                  int64_t kc1, float* c, bool first, Pend& pend) {
   constexpr int64_t ldc = kBlockN * 4;
   if (first) {
     _tile_zero(0);
@@ -117,6 +120,7 @@ inline void tiles(const c10::BFloat16* x0, const c10::BFloat16* x1, int64_t K, c
       _tile_dpbf16ps(2, 5, 6);
       if (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
+    pend.step(kc1 - kc);
   }
   _tile_stored(0, c, ldc);
   if (NB > 1) _tile_stored(1, c + 16, ldc);
@@ -124,11 +128,11 @@ inline void tiles(const c10::BFloat16* x0, const c10::BFloat16* x1, int64_t K, c
   if (NB > 1 && MB > 1) _tile_stored(3, c + 512 + 16, ldc);
 }
 
-template <int NB>
+template <int NB, class Pend>
 inline void tiles_m(int mb, const c10::BFloat16* x0, const c10::BFloat16* x1, int64_t K, const uint32_t* wp,
-                    int64_t kc0, int64_t kc1, float* c, bool first) {
-  if (mb == 2) tiles<NB, 2>(x0, x1, K, wp, kc0, kc1, c, first);
-  else tiles<NB, 1>(x0, x1, K, wp, kc0, kc1, c, first);
+                    int64_t kc0, int64_t kc1, float* c, bool first, Pend& pend) {
+  if (mb == 2) tiles<NB, 2>(x0, x1, K, wp, kc0, kc1, c, first, pend);
+  else tiles<NB, 1>(x0, x1, K, wp, kc0, kc1, c, first, pend);
 }
 
 // Block blk of the GEMM's copy of w (see amx_gemm_pack) into wp.
@@ -170,10 +174,30 @@ inline void store_rows(const float* c, const c10::BFloat16* bias, c10::BFloat16*
       std::memcpy(&u, c + (m - m0) * kBlockN + 16, sizeof u);
       g = vec::round_bf16(g + zero);
       u = vec::round_bf16(u + zero);
-      vec::store_bf16(out + m * ldo, act::gated16<Epi == kGemmGatedGelu>(g, u));
+      act::store_gated16<Epi == kGemmGatedGelu>(out + m * ldo, g, u);
     }
   }
 }
+
+// A row block's outputs waiting to be stored from its sums (store_rows), a few rows after each k
+// step of the next row block's tile products: the vector work then runs beside the tile unit's
+// instead of after it (the gated epilogue costs about as much as its tile products).
+template <int Epi>
+struct Pending {
+  const float* c = nullptr;  // sums of rows [m, m1) (kBlockN floats a row from row m0's)
+  const c10::BFloat16* bias = nullptr;
+  c10::BFloat16* out = nullptr;
+  int64_t ldo = 0, m0 = 0, m = 0, m1 = 0;
+  int nb = 0;
+  // Stores ceil(left / steps) rows: called with the k steps left in the running tile loop.
+  inline void step(int64_t steps) {
+    if (m >= m1) return;
+    const int64_t to = std::min<int64_t>(m1, m + (m1 - m + steps - 1) / steps);
+    store_rows<Epi>(c + (m - m0) * kBlockN, bias, out, ldo, m, to, nb);
+    m = to;
+  }
+  inline void finish() { step(1); }
+};
 
 template <int Epi>
 void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,
@@ -211,6 +235,7 @@ void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* b
     float* c = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cbuf.data()) + 63) & ~uintptr_t(63));
     const char* pf_end = reinterpret_cast<const char*>(prepacked ? prepacked + b1 * block_words  // this thread's w
                                                                    : packed + (b1 - b0) * block_words);
+    Pending<Epi> pend;
     for (int64_t s0 = 0; s0 < M; s0 += span) {
       const int64_t s1 = std::min<int64_t>(M, s0 + span);
       for (int64_t blk = b0; blk < b1; ++blk) {
@@ -224,10 +249,11 @@ void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* b
           if (s0 == 0) pack_block(w, N, K, blk, gated, own);
           wp = own;
         }
-        // k in slices whose w block (16 KB) stays in L1 while the x rows stream past it; a
-        // 32-row block's outputs are stored as soon as its last slice is summed (c still in L1).
-        for (int64_t kc0 = 0; kc0 < kcs; kc0 += kSliceKc) {
-          const int64_t kc1 = std::min<int64_t>(kcs, kc0 + kSliceKc);
+        // k in slices whose w block (16 KB) stays in L1 while the x rows stream past it, the short
+        // one first so that the last (where a row block's epilogue overlaps the next one's tiles) is long.
+        const int64_t first_kc = kcs - (kcs - 1) / kSliceKc * kSliceKc;
+        for (int64_t kc0 = 0; kc0 < kcs; kc0 = kc0 ? kc0 + kSliceKc : first_kc) {
+          const int64_t kc1 = kc0 ? kc0 + kSliceKc : first_kc;
           // The next slice's w bytes (or the next block's first slice's) are fetched into L2 while
           // this slice's row blocks run, a share per block: a weight that is not in cache (a
           // prefill reads each layer's once) then streams in behind the tile work instead of
@@ -244,14 +270,18 @@ void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* b
             const c10::BFloat16* a0 = m0 + 16 <= mfull ? x + m0 * K : tail.data();
             const c10::BFloat16* a1 = m0 + 32 <= mfull ? x + (m0 + 16) * K : tail.data();
             float* cm = c + (m0 - s0) * kBlockN;
-            if (nb == 2) tiles_m<2>(mb, a0, a1, K, wp, kc0, kc1, cm, kc0 == 0);
-            else tiles_m<1>(mb, a0, a1, K, wp, kc0, kc1, cm, kc0 == 0);
-            if (kc1 == kcs)
-              store_rows<Epi>(cm, bias ? bias + n0 : nullptr, out + n0, ldo, m0, std::min<int64_t>(s1, m0 + kBlockM), nb);
+            if (pend.c == cm) pend.finish();  // (one row block a span: its sums are about to be replaced)
+            if (nb == 2) tiles_m<2>(mb, a0, a1, K, wp, kc0, kc1, cm, kc0 == 0, pend);
+            else tiles_m<1>(mb, a0, a1, K, wp, kc0, kc1, cm, kc0 == 0, pend);
+            if (kc1 == kcs) {
+              pend.finish();
+              pend = Pending<Epi>{cm, bias ? bias + n0 : nullptr, out + n0, ldo, m0, m0, std::min<int64_t>(s1, m0 + kBlockM), nb};
+            }
           }
         }
       }
     }
+    pend.finish();
     _tile_release();
   });
 }

@@ -73,7 +73,7 @@ void packed_block(const uint16_t* x, int64_t ldx, const c10::BFloat16* wp, int64
         c10::BFloat16* dst = out + (col + p * kPanel) / 2 + j * 16;
         for (int m = 0; m < MR; ++m) {
           const vec::f32x16 g = vec::round_bf16((vec::f32x16)acc[m][gv]), u = vec::round_bf16((vec::f32x16)acc[m][uv]);
-          vec::store_bf16(dst + m * ldo, act::gated16<E == kGatedGelu>(g, u));
+          act::store_gated16<E == kGatedGelu>(dst + m * ldo, g, u);
         }
       }
     return;
