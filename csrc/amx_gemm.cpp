@@ -41,6 +41,7 @@
 #include "act_vec.h"
 #include "amx_tiles.h"
 #include "bf16_vec.h"
+#include "transpose16.h"
 
 namespace pdserve {
 namespace {
@@ -49,35 +50,6 @@ constexpr int64_t kBlockN = 32;  // w rows per packed block (2 B tiles)
 constexpr int64_t kBlockM = 32;  // x rows per pass (2 A tiles)
 constexpr int64_t kSliceKc = 8;  // 32-k steps per k slice (256 k)
 constexpr int64_t kSpanBytes = 768 * 1024;  // x bytes per span (L2 is 2 MB a core here)
-
-// 16 x 16 transpose of 32-bit lanes: r[i] holds row i on entry, column i on exit.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // Now 128-bit lane L of r[4c + d] holds column 4L + d, rows 4c..4c+3; two rounds
-  // of 128-bit shuffles put each column's four pieces together.
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-  }
-}
 
 // wp[kc * step + 16 kp + n] (32-bit pairs) = w32[n][16 kc + kp] for the 16 rows of w at w.
 void pack_w16(const c10::BFloat16* w, int64_t K, uint32_t* wp, int64_t step) {

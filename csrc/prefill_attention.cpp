@@ -44,6 +44,7 @@
 
 #include "bf16_vec.h"
 #include "cephes_exp.h"
+#include "transpose16.h"
 
 #include <algorithm>
 #include <atomic>
@@ -88,14 +89,23 @@ void pack_kv(const Args& a, int64_t g, int64_t steps, uint16_t* kt, uint16_t* vt
       if (key < a.L) std::memcpy(dst, a.k + key * a.k_tok + g * D + dc * 32, 64);
       else std::memset(dst, 0, 64);
     }
+  // V^T tile (db, s): row j = dim 16 db + j, 32-bit word i = keys (32 s + 2 i, 32 s + 2 i + 1) of
+  // it; the words of a key pair for the 16 dims, transposed.
   for (int64_t db = 0; db < D / 16; ++db)
     for (int64_t s = 0; s < steps; ++s) {
-      uint16_t* tile = vt + (db * steps + s) * 512;
-      for (int64_t t = 0; t < 32; ++t) {
-        const int64_t key = s * 32 + t;
-        const uint16_t* src = a.v + key * a.v_tok + g * D + db * 16;
-        for (int64_t j = 0; j < 16; ++j) tile[j * 32 + t] = key < a.L ? src[j] : 0;
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t key = s * 32 + 2 * i;
+        const __m256i lo = key < a.L ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.v + key * a.v_tok + g * D + db * 16))
+                                     : _mm256_setzero_si256();
+        const __m256i hi = key + 1 < a.L
+                               ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.v + (key + 1) * a.v_tok + g * D + db * 16))
+                               : _mm256_setzero_si256();
+        r[i] = _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
       }
+      transpose16(r);
+      uint16_t* tile = vt + (db * steps + s) * 512;
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(tile + j * 32, r[j]);
     }
 }
 
@@ -158,17 +168,15 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
   const int64_t D = a.D, dcs = D / 32, dbs = D / 16, offset = a.L - a.n;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // Q as VNNI B tiles: qp[dc][kp][q][e] = Q[r0 + q][h][32 dc + 2 kp + e]; as 32-bit pairs that is
-  // qp32[dc][kp][q] = Q32[q][16 dc + kp]: each 64-byte row chunk scatters to a column.
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(16));
+  // qp32[dc][kp][q] = Q32[q][16 dc + kp]: a 16 x 16 transpose of the block's 64-byte row chunks.
   for (int64_t hi = 0; hi < G; ++hi) {
-    for (int64_t q = 0; q < 16; ++q) {
-      const bool real = r0 + q < a.n;
-      const uint16_t* src = a.q + (r0 + q) * a.q_tok + (h0 + hi) * D;
-      for (int64_t dc = 0; dc < dcs; ++dc) {
-        const __m512i row = real ? _mm512_loadu_si512(src + dc * 32) : _mm512_setzero_si512();
-        _mm512_i32scatter_epi32(hs[hi].qp + dc * 512 + q * 2, column, row, 4);
-      }
+    for (int64_t dc = 0; dc < dcs; ++dc) {
+      __m512i r[16];
+      for (int64_t q = 0; q < 16; ++q)
+        r[q] = r0 + q < a.n ? _mm512_loadu_si512(a.q + (r0 + q) * a.q_tok + (h0 + hi) * D + dc * 32)
+                            : _mm512_setzero_si512();
+      transpose16(r);
+      for (int kp = 0; kp < 16; ++kp) _mm512_storeu_si512(hs[hi].qp + dc * 512 + kp * 32, r[kp]);
     }
     std::memset(hs[hi].ot, 0, sizeof(float) * D * 16);
     hs[hi].m = neg_inf;
@@ -284,18 +292,19 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
       }
     }
   }
-  // out[r0 + q][h][d] = O^T[d][q] / l[q]: 16 d at a time, gathered down a column of O^T.
+  // out[r0 + q][h][d] = O^T[d][q] / l[q]: O^T's 16 x 16 fp32 blocks transposed into rows.
   const int64_t rows = std::min<int64_t>(16, a.n - r0);
   for (int64_t hi = 0; hi < G; ++hi) {
     alignas(64) float inv[16];
     _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), hs[hi].l));
-    for (int64_t q = 0; q < rows; ++q) {
-      c10::BFloat16* dst = a.out + ((r0 + q) * a.H + h0 + hi) * D;
-      const __m512 iv = _mm512_set1_ps(inv[q]);
-      for (int64_t db = 0; db < dbs; ++db) {
-        const __m512 o = _mm512_i32gather_ps(column, hs[hi].ot + db * 256 + q, 4);  // column: lane * 16
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + db * 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o, iv)));
+    for (int64_t db = 0; db < dbs; ++db) {
+      __m512i r[16];
+      for (int d = 0; d < 16; ++d) r[d] = _mm512_load_si512(hs[hi].ot + db * 256 + d * 16);
+      transpose16(r);
+      for (int64_t q = 0; q < rows; ++q) {
+        c10::BFloat16* dst = a.out + ((r0 + q) * a.H + h0 + hi) * D + db * 16;
+        const __m512 o = _mm512_mul_ps(_mm512_castsi512_ps(r[q]), _mm512_set1_ps(inv[q]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(o));
       }
     }
   }

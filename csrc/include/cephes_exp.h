@@ -9,8 +9,7 @@ template <typename V>
 inline V exp_reduced(V x, V n) {
   V r = x - n * 0.693359375f;  // ln 2 in two parts, so r keeps its low bits
   r = r - n * -2.12194440e-4f;
-  V p = r * 0.f + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;

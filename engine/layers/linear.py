@@ -72,7 +72,7 @@ def small_linear_available() -> bool:
     load_kernel("engine.layers.linear", "small_linear_cpu",
                 ["small_linear.cpp", "packed_linear.cpp", "amx_rows.cpp", "amx_gemm.cpp"], _CFLAGS,
                 headers=["include/act_vec.h", "include/amx_tiles.h", "include/amx_gemm.h", "include/bf16_vec.h",
-                         "include/cephes_exp.h", "include/packed_linear.h"])
+                         "include/cephes_exp.h", "include/packed_linear.h", "include/transpose16.h"])
     return bool(torch.ops.pdserve.small_linear_supported())
 
 

@@ -27,7 +27,7 @@ def prefill_attention_available() -> bool:
     if os.environ.get("PDSERVE_PREFILL_ATTN", "1") == "0":
         return False
     load_kernel("engine.layers.prefill_attention_op", "prefill_attention_cpu", ["prefill_attention.cpp"],
-                ("-O3", "-march=native", "-fopenmp"), headers=["include/amx_tiles.h", "include/bf16_vec.h", "include/cephes_exp.h"])
+                ("-O3", "-march=native", "-fopenmp"), headers=["include/amx_tiles.h", "include/bf16_vec.h", "include/cephes_exp.h", "include/transpose16.h"])
     return bool(torch.ops.pdserve.prefill_attention_supported())
 
 
