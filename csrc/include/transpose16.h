@@ -10,7 +10,7 @@
 namespace pdserve {
 
 // 16 x 16 transpose of 32-bit lanes: r[i] holds row i on entry, column i on exit.
-inline void transpose16(__m512i r[16]) {
+__attribute__((always_inline)) inline void transpose16(__m512i r[16]) {
   __m512i t[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
