@@ -24,8 +24,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "bf16_vec.h"
 
@@ -33,7 +35,8 @@ namespace pdserve {
 namespace {
 
 // One bf16 row, vectorised; same formulas and roundings as norm_rows below.
-void norm_row_bf16(const c10::BFloat16* xr, const c10::BFloat16* rr, const c10::BFloat16* w,
+// wf: the weight as fp32 (gemma: 1 + weight), converted once per call.
+void norm_row_bf16(const c10::BFloat16* xr, const c10::BFloat16* rr, const c10::BFloat16* w, const float* wf,
                    c10::BFloat16* o, c10::BFloat16* sr, int64_t D, float eps, bool gemma) {
   using namespace vec;
   const int64_t Dv = D - D % kLanes;
@@ -59,10 +62,18 @@ void norm_row_bf16(const c10::BFloat16* xr, const c10::BFloat16* rr, const c10::
   ss += hsum(acc);
   const c10::BFloat16* src = rr ? sr : xr;
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
-  for (int64_t i = 0; i < Dv; i += kLanes) {
-    const f32x16 h = load_bf16(src + i) * inv;
-    const f32x16 wv = load_bf16(w + i);
-    store_round_bf16(o + i, gemma ? h * (1.f + wv) : wv * round_bf16(h));
+  if (gemma) {
+    for (int64_t i = 0; i < Dv; i += kLanes) {
+      f32x16 w1;
+      std::memcpy(&w1, wf + i, sizeof w1);
+      store_round_bf16(o + i, (load_bf16(src + i) * inv) * w1);
+    }
+  } else {
+    for (int64_t i = 0; i < Dv; i += kLanes) {
+      f32x16 wv;
+      std::memcpy(&wv, wf + i, sizeof wv);
+      store_round_bf16(o + i, wv * round_bf16(load_bf16(src + i) * inv));
+    }
   }
   for (int64_t i = Dv; i < D; ++i) {
     const float h = static_cast<float>(src[i]) * inv;
@@ -75,10 +86,15 @@ void norm_row_bf16(const c10::BFloat16* xr, const c10::BFloat16* rr, const c10::
 template <typename T>
 void norm_rows(const T* x, const T* res, const T* w, T* out, T* sum, int64_t T_, int64_t D, double eps,
                bool gemma) {
+  std::vector<float> wf;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    wf.resize(static_cast<size_t>(D));
+    for (int64_t i = 0; i < D; ++i) wf[i] = gemma ? 1.0f + static_cast<float>(w[i]) : static_cast<float>(w[i]);
+  }
   at::parallel_for(0, T_, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        norm_row_bf16(x + r * D, res ? res + r * D : nullptr, w, out + r * D, sum + r * D, D,
+        norm_row_bf16(x + r * D, res ? res + r * D : nullptr, w, wf.data(), out + r * D, sum + r * D, D,
                       static_cast<float>(eps), gemma);
         continue;
       }

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "bf16_vec.h"
 
@@ -32,18 +33,24 @@ void rotate_rows(const c10::BFloat16* x, int64_t x_tok, const c10::BFloat16* cos
   const int64_t half = D / 2;
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(H * D, 1));
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<f32x16> cs(static_cast<size_t>(2 * D / kLanes));  // the token's cos, sin as fp32
     for (int64_t t = t0; t < t1; ++t) {
-      const c10::BFloat16* c = cos + t * D;
-      const c10::BFloat16* s = sin + t * D;
+      f32x16* c = cs.data();
+      f32x16* s = c + D / kLanes;
+      for (int64_t i = 0; i < D / kLanes; ++i) {
+        c[i] = load_bf16(cos + t * D + i * kLanes);
+        s[i] = load_bf16(sin + t * D + i * kLanes);
+      }
+      const int64_t hv = half / kLanes;
       for (int64_t h = 0; h < H; ++h) {
         const c10::BFloat16* xr = x + t * x_tok + h * D;
         c10::BFloat16* o = out + (t * H + h) * D;
-        for (int64_t i = 0; i < half; i += kLanes) {
+        for (int64_t j = 0; j < hv; ++j) {
+          const int64_t i = j * kLanes;
           const f32x16 x1 = load_bf16(xr + i), x2 = load_bf16(xr + half + i);
           // first half: x1 cos - x2 sin; second half: x2 cos + x1 sin
-          store_round_bf16(o + i, round_bf16(x1 * load_bf16(c + i)) - round_bf16(x2 * load_bf16(s + i)));
-          store_round_bf16(o + half + i,
-                           round_bf16(x2 * load_bf16(c + half + i)) + round_bf16(x1 * load_bf16(s + half + i)));
+          store_round_bf16(o + i, round_bf16(x1 * c[j]) - round_bf16(x2 * s[j]));
+          store_round_bf16(o + half + i, round_bf16(x2 * c[hv + j]) + round_bf16(x1 * s[hv + j]));
         }
       }
     }

@@ -60,10 +60,9 @@ class DecoderLM(nn.Module):
 
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Returns hidden states [S, hidden] of the tokens at fb.logits_indices."""
-        if (self.use_decode_plan and self.decode_plan_cls is not None and fb.num_decode and not fb.prefills
-                and fb.logits_indices.shape[0] == fb.num_decode):
+        if self.use_decode_plan and self.decode_plan_cls is not None and fb.num_tokens:
             plan = self.decode_plan()
-            if plan is not None and fb.num_decode <= plan.max_rows:
+            if plan is not None and plan.takes(fb):
                 return plan.run(self, fb, pool)
         x = self.embed(fb.input_ids)
         fb.rope = {t: r.tables(fb.positions) for t, r in self.rotary.items()}

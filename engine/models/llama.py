@@ -9,12 +9,13 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
-from engine.layers import norm, paged_attention_op
+from engine.layers import norm, paged_attention_op, prefill_attention_op
 from engine.layers.activation import fused_act_available
 from engine.layers.attention import PagedAttention
 from engine.layers.linear import GatedLinear, Linear, amx_gemm_rows, gemm_rows, small_linear_available
@@ -83,18 +84,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaDecodePlan:
-    """A pure decode step of a Llama-family model as one flat loop over the CPU kernels.
+    """A step of a Llama-family model as one flat loop over the CPU kernels.
 
-    A decode step is about twelve kernel calls a layer on a handful of rows. Through the
-    modules each call also pays Python's module calls, wrappers and the checks that pick a
-    kernel (about 60 us a layer: 10-15% of a 4-row SmolLM2 step on one core, 2.1 ms of 19.5).
-    The plan makes those choices once, when it is built (like a captured CUDA graph), and then
-    calls the same kernels on the same tensors in the same order as LlamaDecoderLayer.forward
-    and DecoderLM.forward do for such a step, so the bits are the same
-    (tests/unit/test_decode_plan.py). Built only where every layer takes those kernels: bf16
-    on the CPU, no q/k norm, no sliding-window layer, head dim a multiple of 32 (at most 512).
-    A weight replaced or changed in place after the build makes the model rebuild it.
-    PDSERVE_DECODE_PLAN=0 turns it off.
+    A step is about twelve kernel calls a layer. Through the modules each call also pays
+    Python's module calls, wrappers and the checks that pick a kernel (about 60 us a layer: 10-15%
+    of a 4-row SmolLM2 decode step on one core, 2.1 ms of 19.5; ~300 us a layer for a 530-token
+    prefill, 9 of its 97 ms on two threads). The plan makes those choices once, when it is built
+    (like a captured CUDA graph), and then calls the same kernels on the same tensors in the same
+    order as LlamaDecoderLayer.forward and DecoderLM.forward do for the step, so the bits are the
+    same (tests/unit/test_decode_plan.py): decode entries, prefill chunks (with or without
+    earlier context) or both; the linears of a step of more than `max_rows` tokens take torch's
+    GEMM, as the modules' do. Prefill chunks take it only where the prefill attention kernel
+    runs. Built only where every layer takes those kernels: bf16 on the CPU, no q/k norm, no
+    sliding-window layer, head dim a multiple of 32 (at most 512). A weight replaced or changed
+    in place after the build makes the model rebuild it. PDSERVE_DECODE_PLAN=0 turns it off.
     """
 
     def __init__(self, model: DecoderLM) -> None:
@@ -122,6 +125,12 @@ class LlamaDecodePlan:
         self.h, self.kvh, self.d = model.layers[0].self_attn.h, model.layers[0].self_attn.kvh, model.cfg.head_dim
         self.max_rows = gemm_rows()  # Linear's kernel takes batches up to this; larger ones take torch's GEMM
         self.gated_amx_rows = amx_gemm_rows() or sys.maxsize  # from here a gated copy runs fused on the AMX GEMM
+        # prefill chunks take the plan where the modules' attention takes the kernel for them
+        self.prefills = self.d <= 256 and prefill_attention_op.prefill_attention_available()
+
+    def takes(self, fb: ForwardBatch) -> bool:
+        """Whether this step runs on the plan (else through the modules)."""
+        return not fb.prefills or self.prefills
 
     @classmethod
     def build(cls, model: DecoderLM) -> LlamaDecodePlan | None:
@@ -152,7 +161,7 @@ class LlamaDecodePlan:
         return all(params.get(name) is w and w._version == v for params, name, w, v in self.weights)
 
     def run(self, model: DecoderLM, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """DecoderLM.forward for a step of decode entries only, every row sampled."""
+        """DecoderLM.forward for a step that takes(): hidden states of fb.logits_indices' rows."""
         ops = torch.ops.pdserve
         rms, linear, rotary = ops.rms_norm.default, ops.small_linear.default, ops.rotary.default
         attend, act = ops.paged_decode_attention.default, ops.act_and_mul.default
@@ -165,32 +174,77 @@ class LlamaDecodePlan:
         h, kvh, d = self.h, self.kvh, self.d
         qk, hook = (h + kvh) * d, model.between_layers
         wp, wo, pages, ctx = fb.write_page, fb.write_off, fb.dec_pages, fb.dec_ctx
+        b, prefills = fb.num_decode, fb.prefills
+        # as DecoderLM.forward: past its attention the last layer runs only the sampled rows
+        # (a one-layer model cuts after it)
+        idx, last = fb.logits_indices, len(self.layers) - 1
+        cut = idx.shape[0] != t  # else idx is every row in order (increasing indices)
         residual = None
         k = x.shape[1]
-        gemm_fused = t >= self.gated_amx_rows
-        for (in_w, in_eps, qkv_w, qkv_b, qkv_p, qkv_g, o_w, o_p, o_g, post_w, post_eps, gu_w, gu_p, gu_g, gu_gated,
-             down_w, down_p, down_g, gelu, layer_id, scale, layer_type, fused, qkv_q, o_q, gu_q, down_q) in self.layers:
+        for i, (in_w, in_eps, qkv_w, qkv_b, qkv_p, qkv_g, o_w, o_p, o_g, post_w, post_eps, gu_w, gu_p, gu_g, gu_gated,
+                down_w, down_p, down_g, gelu, layer_id, scale, layer_type, fused, qkv_q, o_q, gu_q,
+                down_q) in enumerate(self.layers):
             if residual is None:
                 n, residual = rms(x, None, in_w, in_eps, False)[0], x
             else:
                 n, residual = rms(x, residual, in_w, in_eps, False)
-            qkv = linear(n, qkv_w, qkv_b, qkv_p, qkv_g, qkv_q)
+            big = t > self.max_rows  # the modules' linears take torch's GEMM (F.linear)
+            qkv = F.linear(n, qkv_w, qkv_b) if big else linear(n, qkv_w, qkv_b, qkv_p, qkv_g, qkv_q)
             cos, sin = tables[layer_type]
             rotated = rotary(qkv[:, :qk].view(t, h + kvh, d), cos, sin)
             cache = pool.full[:, pool.layer_index[layer_id]]
-            write(cache, wp, wo, rotated[:, h:], qkv[:, qk:].view(t, kvh, d))
-            o = attend(rotated[:, :h].contiguous(), cache, pages, ctx, scale)
-            n, residual = rms(linear(o.view(t, h * d), o_w, None, o_p, o_g, o_q), residual, post_w, post_eps, False)
-            if fused:
+            kk, vv = rotated[:, h:], qkv[:, qk:].view(t, kvh, d)
+            write(cache, wp, wo, kk, vv)
+            if not prefills:
+                o = attend(rotated[:, :h].contiguous(), cache, pages, ctx, scale)
+            else:
+                o = self._attend(rotated[:, :h], kk, vv, cache, fb, scale)
+            rows = t
+            if i == last and i and cut:
+                o, residual = o[idx], residual[idx]
+                rows = o.shape[0]
+            big = rows > self.max_rows
+            o = o.reshape(rows, h * d)
+            n, residual = rms(F.linear(o, o_w) if big else linear(o, o_w, None, o_p, o_g, o_q), residual, post_w,
+                              post_eps, False)
+            if big:
+                a = act(F.linear(n, gu_w), gelu)
+            elif fused:
                 a = gated(n, gu_p, k, gelu)
-            elif gemm_fused and gu_gated is not None:
+            elif rows >= self.gated_amx_rows and gu_gated is not None:
                 a = gated_amx(n, gu_w, gu_gated, gelu)
             else:
                 a = act(linear(n, gu_w, None, gu_p, gu_g, gu_q), gelu)
-            x = linear(a, down_w, None, down_p, down_g, down_q)
+            x = F.linear(a, down_w) if big else linear(a, down_w, None, down_p, down_g, down_q)
             if hook is not None:
                 hook()
+        if not last and cut:
+            x, residual = x[idx], residual[idx]
         return model.norm.add_norm(x, residual)[0]
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, fb: ForwardBatch,
+                scale: float) -> torch.Tensor:
+        """PagedAttention.forward's kernels for a step with prefill chunks (the K/V written)."""
+        ops = torch.ops.pdserve
+        prefill = ops.prefill_attention.default
+        b, prefills = fb.num_decode, fb.prefills
+        if not b and len(prefills) == 1 and prefills[0].length == q.shape[0]:  # one chunk alone
+            p = prefills[0]
+            if not p.has_context:
+                return prefill(q, k, v, scale, 0)
+            return prefill(q, *(cache[p.pages, j].flatten(0, 1)[:p.ctx] for j in (0, 1)), scale, 0)
+        out = torch.empty_like(q)
+        if b:
+            out[:b] = ops.paged_decode_attention.default(q[:b].contiguous(), cache, fb.dec_pages, fb.dec_ctx, scale)
+        for p in prefills:
+            s, n = p.start, p.length
+            if not p.has_context:
+                kk, vv = k[s:s + n], v[s:s + n]
+            else:
+                kk, vv = (cache[p.pages, j].flatten(0, 1)[:p.ctx] for j in (0, 1))
+            out[s:s + n] = prefill(q[s:s + n], kk, vv, scale, 0)
+        return out
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -1,5 +1,6 @@
-"""The decode plan (engine/models/llama.py: a pure decode step as one flat loop over the CPU
-kernels) gives what the modules give, bit for bit, and follows weight changes."""
+"""The step plan (engine/models/llama.py: a step as one flat loop over the CPU kernels: decode
+entries, prefill chunks or both) gives what the modules give, bit for bit, and follows weight
+changes."""
 from __future__ import annotations
 
 import pytest
@@ -46,11 +47,77 @@ def test_plan_matches_the_modules_bit_for_bit(engine):
         planned = _run(engine, prompts, use_plan=True)
     finally:
         LlamaDecodePlan.run = run
-    # the prompts fit one prefill step; each of the 16 steps after it (the longest request's
-    # 17 tokens, the first from the prefill) is decode only and took the plan
-    assert len(calls) == 8 + 3 * 3 - 1
+    # the prompts fit one prefill step; the 16 steps after it (the longest request's 17 tokens,
+    # the first from the prefill) are decode only: all 17 took the plan
+    assert len(calls) == 8 + 3 * 3
     assert planned == _run(engine, prompts, use_plan=False)
     assert [len(v) for v in planned.values()] == [8, 11, 14, 17]
+
+
+def test_plan_matches_the_modules_for_chunks_context_and_mixed_steps(engine):
+    """Prompts past the step budget (512 here) go in chunks, the later ones over their earlier
+    context from the pages; requests added while others decode share steps with them (decode
+    rows and prefill rows in one step); a repeated prompt hits the prefix cache (a chunk over
+    cached context). Every such step takes the plan, and the bits are the modules'."""
+    g = torch.Generator().manual_seed(6)
+    base = torch.randint(100, 30000, (700,), generator=g).tolist()
+    waves = [[base, torch.randint(100, 30000, (40,), generator=g).tolist()],
+             [torch.randint(100, 30000, (300,), generator=g).tolist(), base[:600] + [7, 8, 9]]]
+
+    def run(use_plan: bool, calls: list) -> dict:
+        eng = engine
+        eng.runner.model.use_decode_plan = use_plan
+        out: dict[str, list] = {}
+        orig = LlamaDecodePlan.run
+        LlamaDecodePlan.run = lambda self, model, fb, pool: calls.append((fb.num_decode, len(fb.prefills))) or orig(
+            self, model, fb, pool)
+        try:
+            for w, prompts in enumerate(waves):
+                for i, p in enumerate(prompts):
+                    eng.add_request(f"w{w}-{i}", p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                                    logprobs=2))
+                for _ in range(3 if w == 0 else 10**6):  # the second wave arrives mid-decode
+                    if not eng.has_unfinished():
+                        break
+                    for o in eng.step():
+                        out.setdefault(o.request_id, []).extend((t.token_id, t.logprob, t.top) for t in o.logprobs)
+        finally:
+            LlamaDecodePlan.run = orig
+            eng.runner.model.use_decode_plan = True
+        return out
+
+    planned_calls: list = []
+    planned = run(True, planned_calls)
+    assert planned == run(False, [])
+    assert sorted(planned) == ["w0-0", "w0-1", "w1-0", "w1-1"] and all(len(v) == 6 for v in planned.values())
+    assert any(b and p for b, p in planned_calls)  # a mixed step
+    assert sum(p for _, p in planned_calls) >= 5  # 700 tokens in two chunks, and the others
+
+
+def test_plan_matches_the_modules_above_the_kernels_rows():
+    """A step of more tokens than the linear kernel takes (gemm_rows(): 1024 where AMX runs) has
+    its linears on torch's GEMM in the plan as in the modules; the last layer's sampled rows go
+    back to the kernel."""
+    from engine.layers.linear import gemm_rows
+
+    n = gemm_rows() + 200
+    if n > 4096:
+        pytest.skip("the kernel takes every row count here")
+    eng = LLMEngine(EngineConfig(num_threads=1, kv_cache_gb=0.1, max_num_batched_tokens=n + 100))
+    try:
+        g = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(100, 30000, (m,), generator=g).tolist() for m in (n - 300, 300)]
+        calls = []
+        orig = LlamaDecodePlan.run
+        LlamaDecodePlan.run = lambda self, model, fb, pool: calls.append(fb.num_tokens) or orig(self, model, fb, pool)
+        try:
+            planned = _run(eng, prompts, use_plan=True)
+        finally:
+            LlamaDecodePlan.run = orig
+        assert calls[0] == n  # both prompts in one step, past the kernel's rows
+        assert planned == _run(eng, prompts, use_plan=False)
+    finally:
+        eng.close()
 
 
 def test_plan_matches_the_modules_for_a_batch_above_16_rows(engine):
