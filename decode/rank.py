@@ -49,6 +49,12 @@ from pd_server.protocol.router_rank import Abort, Generate, Peers
 log = logging.getLogger("decode.rank")
 
 IDLE_WAIT_S = 0.05  # inbox wait when the engine has nothing to run
+# After shipping a request's first token, the engine thread sleeps this long before its next step
+# when it has one: with every core running this rank's step threads, the token otherwise waits
+# for a core to get out (this process's IO thread, then the router's loop). Measured, colocated
+# on 2 cores: time to first token of a 670-token prompt 8 ms longer when the request went on
+# decoding than when it stopped at that token, the same with this yield.
+FIRST_TOKEN_YIELD_S = 0.001
 PULL_POLL_S = 0.001  # inbox wait while only transfers are in flight
 
 
@@ -131,7 +137,14 @@ class RankLoop:
 
     def _on_outputs(self, outs) -> None:
         if outs:
-            self.link.send(TokenBatch([self._event(o) for o in outs], time.time()))
+            events = [self._event(o) for o in outs]
+            self.link.send(TokenBatch(events, time.time()))
+            self._yield_after_first(events)
+
+    def _yield_after_first(self, events: list[TokenEvent]) -> None:
+        """Let a first token leave before the next step takes the cores (FIRST_TOKEN_YIELD_S)."""
+        if self.engine.has_unfinished() and any(e.completion_tokens == len(e.token_ids) for e in events):
+            time.sleep(FIRST_TOKEN_YIELD_S)
 
     def _admit(self, wait_s: float) -> None:
         try:

@@ -191,6 +191,7 @@ class PrefillLoop(RankLoop):
         self.link.send(TokenBatch(events, now))
         for o, t, g in handoffs:
             self._hand_off(o, t, g)
+        self._yield_after_first(events)
 
     def _hand_off(self, o, t, g: Generate) -> None:
         rid = o.request_id
