@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -137,6 +138,66 @@ int64_t race_row(const T* x, int64_t V, float inv_temp, uint64_t key) {
   return tok;
 }
 
+// torch.argmax of a row: the first index of its maximum, or of its first NaN (torch ranks NaN
+// above every number). One pass, a running maximum and its first index per lane.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t V) {
+  const int64_t full = V / kLanes * kLanes;
+  const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  f32x16 best = splat(-std::numeric_limits<float>::infinity());
+  i32x16 best_i = lane;
+  i32x16 nan = lane * 0;
+  for (int64_t i = 0; i < full; i += kLanes) {
+    const f32x16 v = load16(x + i);
+    const auto better = v > best;  // strict: a lane keeps its first maximum
+    best = better ? v : best;
+    best_i = better ? lane + static_cast<int32_t>(i) : best_i;
+    nan |= v != v;
+  }
+  bool any_nan = false;
+  for (int64_t l = 0; l < kLanes; ++l) any_nan |= nan[l] != 0;
+  if (any_nan) {
+    for (int64_t i = 0; i < full; ++i)
+      if (std::isnan(static_cast<float>(x[i]))) return i;
+  }
+  int64_t tok = best_i[0];
+  float top = best[0];
+  for (int64_t l = 1; l < kLanes; ++l)
+    if (best[l] > top || (best[l] == top && best_i[l] < tok)) {
+      top = best[l];
+      tok = best_i[l];
+    }
+  for (int64_t i = full; i < V; ++i) {  // the tail, after every full vector's index
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v)) return i;
+    if (v > top) {
+      top = v;
+      tok = i;
+    }
+  }
+  return tok;
+}
+
+// Greedy sampling's argmax over the vocabulary (torch.argmax(logits, -1), the same indices):
+// torch's reduction took ~75 us a row of SmolLM2's 49k logits here (1.2 ms of a 16-row decode
+// step), this ~5.
+at::Tensor argmax_rows_cpu(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(),
+              "argmax_rows: logits must be a contiguous [B, V] CPU tensor");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "argmax_rows: logits must be float32 or bfloat16; got ", logits.scalar_type());
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "argmax_rows: vocabulary size out of range: ", V);
+  at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      op[b] = logits.scalar_type() == at::kFloat ? argmax_row(logits.const_data_ptr<float>() + b * V, V)
+                                                 : argmax_row(logits.const_data_ptr<c10::BFloat16>() + b * V, V);
+  });
+  return out;
+}
+
 at::Tensor race_sample_cpu(const at::Tensor& logits, const at::Tensor& inv_temp, const at::Tensor& seeds) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(),
               "race_sample: logits must be a contiguous [B, V] CPU tensor");
@@ -169,8 +230,10 @@ at::Tensor race_sample_cpu(const at::Tensor& logits, const at::Tensor& inv_temp,
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("race_sample(Tensor logits, Tensor inv_temp, Tensor seeds) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("race_sample", &pdserve::race_sample_cpu);
+  m.impl("argmax_rows", &pdserve::argmax_rows_cpu);
 }

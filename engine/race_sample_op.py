@@ -35,3 +35,9 @@ def race_sample(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor
     Raises RuntimeError on other dtypes, shapes or devices.
     """
     return torch.ops.pdserve.race_sample(logits.contiguous(), inv_temp, keys)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) for contiguous fp32/bf16 [B, V] CPU logits (the same indices:
+    first maximum, a NaN counting above every number), one vector pass per row."""
+    return torch.ops.pdserve.argmax_rows(logits)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.race_sample_op import race_sample, race_sample_available
+from engine.race_sample_op import argmax_rows, race_sample, race_sample_available
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -199,6 +199,13 @@ def _race_kernel_usable(logits: torch.Tensor) -> bool:
     return logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and race_sample_available()
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1), by the kernel's one pass a row on the CPU (the same indices)."""
+    if logits.dim() == 2 and logits.is_contiguous() and _race_kernel_usable(logits):
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def _row_keys(batch: SamplingBatch) -> torch.Tensor:
     """[B] int64 race keys: _mix_seed(seed, step) for seeded rows, the global RNG for the rest."""
     keys = torch.randint(-(1 << 63), (1 << 63) - 1, (batch.num_rows,), dtype=torch.int64)
@@ -234,7 +241,7 @@ class Sampler:
         assert logits.shape == (batch.num_rows, batch.vocab_size), (logits.shape, batch.num_rows)
         if batch.all_greedy and not batch.has_penalties:
             # Fast path: upcasting half types to float32 is exact, so argmax is unchanged.
-            token_ids = logits.argmax(dim=-1)
+            token_ids = _argmax(logits)
         elif not batch.has_penalties and _race_kernel_usable(logits):
             token_ids = self._sample(logits, batch)  # the kernel reads the raw logits: no float32 copy
         else:
@@ -251,8 +258,8 @@ class Sampler:
         """logits: penalised float32 [B, V], owned by us (or, on the kernel path, the raw
         logits, not modified). Returns [B] int64."""
         if batch.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy_ids = logits.argmax(dim=-1) if batch.greedy is not None else None
+            return _argmax(logits)
+        greedy_ids = _argmax(logits) if batch.greedy is not None else None
         if _race_kernel_usable(logits):
             sampled = race_sample(_filtered(logits, batch), 1.0 / batch.temperature.squeeze(1), _row_keys(batch))
             return sampled if greedy_ids is None else torch.where(batch.greedy, greedy_ids, sampled)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.race_sample_op import race_sample, race_sample_available
+from engine.race_sample_op import argmax_rows, race_sample, race_sample_available
 
 if not race_sample_available():  # PDSERVE_FUSED_SAMPLER=0
     pytest.skip("race_sample disabled in this environment", allow_module_level=True)
@@ -72,3 +72,21 @@ def test_low_temperature_takes_the_argmax():
 def test_bad_inputs_raise(bad):
     with pytest.raises(RuntimeError):
         bad()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 5, 17, 49152, 49153])
+def test_argmax_rows_is_torchs_argmax(dtype, vocab):
+    """The same index as torch.argmax: the first of tied maxima, a NaN above every number (the
+    first NaN), an all -inf row's index 0, in a full vector or the tail past the last one."""
+    x = torch.randn(8, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+    x[1] = 1.0
+    x[2] = float("-inf")
+    if vocab > 3:
+        x[3, 3] = float("nan")
+        x[4, vocab - 1] = 100.0
+        x[5, 1] = float("inf")
+        x[6, vocab - 1] = float("nan")
+        x[7, 2] = x[7, vocab - 2] = 50.0
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+
