@@ -96,6 +96,18 @@ inline f32x16 exp_nonpos(f32x16 x) {
   return p * as_float(scale);
 }
 
+// The lanes' running maxima folded: the largest value (top) and the smallest index holding it.
+inline int64_t first_max(f32x16 best, i32x16 best_i, float& top) {
+  int64_t tok = best_i[0];
+  top = best[0];
+  for (int64_t l = 1; l < kLanes; ++l)
+    if (best[l] > top || (best[l] == top && best_i[l] < tok)) {
+      top = best[l];
+      tok = best_i[l];
+    }
+  return tok;
+}
+
 template <typename T>
 int64_t race_row(const T* x, int64_t V, float inv_temp, uint64_t key) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -128,14 +140,8 @@ int64_t race_row(const T* x, int64_t V, float inv_temp, uint64_t key) {
     best = better ? score : best;
     best_i = better ? idx : best_i;
   }
-  int64_t tok = best_i[0];
-  float top = best[0];
-  for (int64_t l = 1; l < kLanes; ++l)
-    if (best[l] > top || (best[l] == top && best_i[l] < tok)) {
-      top = best[l];
-      tok = best_i[l];
-    }
-  return tok;
+  float top;
+  return first_max(best, best_i, top);
 }
 
 // torch.argmax of a row: the first index of its maximum, or of its first NaN (torch ranks NaN
@@ -160,13 +166,8 @@ int64_t argmax_row(const T* x, int64_t V) {
     for (int64_t i = 0; i < full; ++i)
       if (std::isnan(static_cast<float>(x[i]))) return i;
   }
-  int64_t tok = best_i[0];
-  float top = best[0];
-  for (int64_t l = 1; l < kLanes; ++l)
-    if (best[l] > top || (best[l] == top && best_i[l] < tok)) {
-      top = best[l];
-      tok = best_i[l];
-    }
+  float top;
+  int64_t tok = first_max(best, best_i, top);
   for (int64_t i = full; i < V; ++i) {  // the tail, after every full vector's index
     const float v = static_cast<float>(x[i]);
     if (std::isnan(v)) return i;
