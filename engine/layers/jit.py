@@ -60,7 +60,8 @@ def load_kernel(who: str, variant: str, sources: Sequence[str], cflags: Sequence
     from torch.utils import cpp_extension
 
     check_compiler(who)
-    if "-march=native" in cflags and "-mprefer-vector-width=512" not in cflags:
+    if "-march=native" in cflags and platform.machine() in ("x86_64", "AMD64") and not any(
+            f.startswith("-mprefer-vector-width") for f in cflags):
         # GCC's tuning for some -march targets (this VM's CPU model reads as rocketlake) prefers
         # 256-bit vectors: 16-float vector-extension code is then split into halves and loops are
         # vectorized at 8 lanes (the decode attention kernel ran ~15% slower from cache).
