@@ -179,16 +179,22 @@ int64_t argmax_row(const T* x, int64_t V) {
   return tok;
 }
 
+// Both ops' logits: contiguous fp32 or bf16 [B, V] on the CPU, 0 < V < 2^31.
+void check_logits(const at::Tensor& logits, const char* op) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(), op,
+              ": logits must be a contiguous [B, V] CPU tensor");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16, op,
+              ": logits must be float32 or bfloat16; got ", logits.scalar_type());
+  TORCH_CHECK(logits.size(1) > 0 && logits.size(1) < (int64_t(1) << 31), op, ": vocabulary size out of range: ",
+              logits.size(1));
+}
+
 // Greedy sampling's argmax over the vocabulary (torch.argmax(logits, -1), the same indices):
 // torch's reduction took ~75 us a row of SmolLM2's 49k logits here (1.2 ms of a 16-row decode
 // step), this ~5.
 at::Tensor argmax_rows_cpu(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(),
-              "argmax_rows: logits must be a contiguous [B, V] CPU tensor");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
-              "argmax_rows: logits must be float32 or bfloat16; got ", logits.scalar_type());
+  check_logits(logits, "argmax_rows");
   const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "argmax_rows: vocabulary size out of range: ", V);
   at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {
@@ -200,12 +206,8 @@ at::Tensor argmax_rows_cpu(const at::Tensor& logits) {
 }
 
 at::Tensor race_sample_cpu(const at::Tensor& logits, const at::Tensor& inv_temp, const at::Tensor& seeds) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(),
-              "race_sample: logits must be a contiguous [B, V] CPU tensor");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
-              "race_sample: logits must be float32 or bfloat16; got ", logits.scalar_type());
+  check_logits(logits, "race_sample");
   const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "race_sample: vocabulary size out of range: ", V);
   TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && inv_temp.dim() == 1 && inv_temp.size(0) == B,
               "race_sample: inv_temp must be float32 [B]");
   TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 1 && seeds.size(0) == B,

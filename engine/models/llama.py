@@ -179,6 +179,7 @@ class LlamaDecodePlan:
         # (a one-layer model cuts after it)
         idx, last = fb.logits_indices, len(self.layers) - 1
         cut = idx.shape[0] != t  # else idx is every row in order (increasing indices)
+        big = t > self.max_rows  # the modules' linears take torch's GEMM (F.linear) for the step's rows
         residual = None
         k = x.shape[1]
         for i, (in_w, in_eps, qkv_w, qkv_b, qkv_p, qkv_g, o_w, o_p, o_g, post_w, post_eps, gu_w, gu_p, gu_g, gu_gated,
@@ -188,7 +189,6 @@ class LlamaDecodePlan:
                 n, residual = rms(x, None, in_w, in_eps, False)[0], x
             else:
                 n, residual = rms(x, residual, in_w, in_eps, False)
-            big = t > self.max_rows  # the modules' linears take torch's GEMM (F.linear)
             qkv = F.linear(n, qkv_w, qkv_b) if big else linear(n, qkv_w, qkv_b, qkv_p, qkv_g, qkv_q)
             cos, sin = tables[layer_type]
             rotated = rotary(qkv[:, :qk].view(t, h + kvh, d), cos, sin)
@@ -203,7 +203,7 @@ class LlamaDecodePlan:
             if i == last and i and cut:
                 o, residual = o[idx], residual[idx]
                 rows = o.shape[0]
-            big = rows > self.max_rows
+                big = rows > self.max_rows
             o = o.reshape(rows, h * d)
             n, residual = rms(F.linear(o, o_w) if big else linear(o, o_w, None, o_p, o_g, o_q), residual, post_w,
                               post_eps, False)
