@@ -91,15 +91,15 @@ inline void store32(c10::Half* p, f32x16 lo, f32x16 hi) {
 
 // ---- math --------------------------------------------------------------------
 
-// Lane t of the result = hsum(row t) of p [16, 16] (bf16_vec.h), with hsum's additions in its order (so
-// the same bits): rows are paired at each level so that one vector add serves 2, 4, 8 rows.
-inline f32x16 reduce16(const float* p) {
-  f32x16 x[8], y[4], z[2];
-  for (int k = 0; k < 8; ++k) {  // lanes 0-7: row 2k's v[j] + v[j + 8]; 8-15: row 2k + 1's
-    const f32x16 a = load16(p + 32 * k), b = load16(p + 32 * k + 16);
-    x[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
+// reduce16's first level for rows a, b: lanes 0-7 a[j] + a[j + 8], lanes 8-15 b[j] + b[j + 8].
+inline f32x16 pair_rows(f32x16 a, f32x16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// reduce16's levels after the first, from x[k] = pair_rows(row 2k, row 2k + 1).
+inline f32x16 reduce16_rest(const f32x16* x) {
+  f32x16 y[4], z[2];
   for (int k = 0; k < 4; ++k)  // 128-bit lane L: row 4k + L's a[j] + a[j + 4]
     y[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
            __builtin_shufflevector(x[2 * k], x[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
@@ -110,6 +110,22 @@ inline f32x16 reduce16(const float* p) {
   const f32x16 r = __builtin_shufflevector(z[0], z[1], 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
                    __builtin_shufflevector(z[0], z[1], 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
   return __builtin_shufflevector(r, r, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
+// Lane t of the result = hsum(row t) of p [16, 16] (bf16_vec.h), with hsum's additions in its order (so
+// the same bits): rows are paired at each level so that one vector add serves 2, 4, 8 rows.
+inline f32x16 reduce16(const float* p) {
+  f32x16 x[8];
+  for (int k = 0; k < 8; ++k) x[k] = pair_rows(load16(p + 32 * k), load16(p + 32 * k + 16));
+  return reduce16_rest(x);
+}
+
+// reduce16 from its first level's 8 vectors x [8, 16] (x[k] = pair_rows(row 2k, row 2k + 1)),
+// computed by the caller: the same bits as reduce16 of the 16 rows.
+inline f32x16 reduce16_pairs(const float* p) {
+  f32x16 x[8];
+  for (int k = 0; k < 8; ++k) x[k] = load16(p + 16 * k);
+  return reduce16_rest(x);
 }
 
 // max / sum of x[0, N), in 16 lanes folded at the end. A plain `s += x[i]`
