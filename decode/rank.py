@@ -26,6 +26,7 @@ request instead when the router goes away (RouterLost) and joins the next router
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import queue
@@ -287,12 +288,13 @@ class DecodeLoop(RankLoop):
 def load_engine(engine_cfg, warmup: bool):
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-
     engine = LLMEngine(engine_cfg)
     if warmup:
-        # First steps pay one-off costs (kernel JIT, allocator growth): pay them before Hello.
-        # A sampled row, so the sampling kernel is built too.
+        # First steps' one-off costs (kernel JIT, allocator growth; a sampled row) before Hello.
         engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=1.0, seed=0))
+    # What is loaded (~350k objects) lives as long as the rank: out of the cyclic GC's passes, as in
+    # the router (a full pass over it took ~100 ms of a core, stalling a step or a lent core).
+    gc.freeze()
     return engine
 
 
