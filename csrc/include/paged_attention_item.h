@@ -91,16 +91,18 @@ inline void find_rows(const Problem& p, const int64_t* pages, int64_t t, int64_t
   }
 }
 
-// Prefetch (into L2) one head's K and V rows of a token of the next tile as this one is read:
-// pages are scattered, so the hardware prefetcher loses the stream at every page boundary.
+// Prefetch (into L2) the cache lines of [p, p + bytes): pages are scattered, so the hardware
+// prefetcher loses the stream at every page boundary.
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* a = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(a + off, 0, 2);
+}
+
+// One head's K and V rows of a token of the next tile, as this one is read.
 template <typename T>
 inline void prefetch_row(const T* k_row, int64_t v_off, int64_t row_bytes) {
-  const char* k = reinterpret_cast<const char*>(k_row);
-  const char* v = reinterpret_cast<const char*>(k_row + v_off);
-  for (int64_t off = 0; off < row_bytes; off += 64) {
-    __builtin_prefetch(k + off, 0, 2);
-    __builtin_prefetch(v + off, 0, 2);
-  }
+  prefetch_lines(k_row, row_bytes);
+  prefetch_lines(k_row + v_off, row_bytes);
 }
 
 // Online softmax of one head over a tile: rescale the old state (m, l) to the new max and turn
@@ -310,10 +312,6 @@ void attend_chunk_bf16(const Problem& p, int64_t b, int64_t t0, int64_t t1, Part
   const T** slot = rows_buf[0];
   const T** next = rows_buf[1];
   const T** krow = rows_buf[2];
-  auto prefetch = [tok_bytes](const T* row) {
-    const char* a = reinterpret_cast<const char*>(row);
-    for (int64_t off = 0; off < tok_bytes; off += 64) __builtin_prefetch(a + off, 0, 2);
-  };
   // (scale * q) . k as vdpbf16ps over the raw bf16 rows in two chains, 16 lanes of partial sums
   auto dot = [](const __m512bh* k, const T* qg) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -352,9 +350,9 @@ void attend_chunk_bf16(const Problem& p, int64_t b, int64_t t0, int64_t t1, Part
         const bool two = j + 1 < m;
         for (int64_t e = i; e < i + 2; ++e) {
           const int64_t f = e + kAhead;
-          if (f < n) prefetch(slot[f]);
-          else if (f - n < n_next) prefetch(next[f - n]);
-          if (e < n) prefetch(slot[e] + v_off);
+          if (f < n) prefetch_lines(slot[f], tok_bytes);
+          else if (f - n < n_next) prefetch_lines(next[f - n], tok_bytes);
+          if (e < n) prefetch_lines(slot[e] + v_off, tok_bytes);
         }
         for (int64_t h = 0; h < KVH; ++h) {
           __m512bh ka[C / 2], kb[C / 2];

@@ -89,4 +89,3 @@ def test_argmax_rows_is_torchs_argmax(dtype, vocab):
         x[6, vocab - 1] = float("nan")
         x[7, 2] = x[7, vocab - 2] = 50.0
     assert torch.equal(argmax_rows(x), x.argmax(-1))
-
