@@ -43,7 +43,6 @@
 #include "amx_tiles.h"
 
 #include "bf16_vec.h"
-#include "cephes_exp.h"
 #include "transpose16.h"
 
 #include <algorithm>
@@ -62,13 +61,21 @@ namespace {
 #define PDSERVE_PREFILL_AMX 1
 #endif
 
-// exp(x) for x <= 0, 16 lanes (Cephes, as paged_attention.cpp); below -87 gives ~1e-38.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vec::f32x16 p = exp_reduced((vec::f32x16)x, (vec::f32x16)n);
-  return _mm512_scalef_ps((__m512)p, n);
+// 2^t for t <= 0, 16 lanes: t = n + f with |f| <= 1/2, 2^f from a degree-5 polynomial fitted for
+// relative error (7.7e-8 over [-1/2, 1/2]: Cephes' expf is ~6e-8), scaled by 2^n; below -126
+// gives 2^-126. The softmax takes exp(scale * (s - m)) as 2^(s log2(e) scale - m log2(e) scale):
+// 9 instructions a vector, not Cephes' 14 (the exponentials were a quarter of this kernel's time;
+// 30 layers of a 530-token SmolLM2 prefill on one thread: 23.7-24.1 -> 21.3 ms, minimum of 15).
+inline __m512 exp2_16(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3266970387e-3f), f, _mm512_set1_ps(9.6754597456e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507426160e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022121754e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694916e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000071f));
+  return _mm512_scalef_ps(p, n);
 }
 
 struct Args {
@@ -195,7 +202,7 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
   // Query q's first key (window): first_key + q; without one, every key from 0.
   const __m512i lower = a.window > 0 ? _mm512_add_epi32(lane, _mm512_set1_epi32((int)std::max<int64_t>(first_key, -(1 << 29))))
                                      : _mm512_set1_epi32(-(1 << 29));
-  const __m512 scale = _mm512_set1_ps(a.scale);
+  const __m512 scale2 = _mm512_set1_ps(a.scale * 1.44269504088896341f);  // log2(e) scale
   alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(kInterleave);
@@ -232,7 +239,7 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
         scores_avx512(kt, h.qp, st, dcs, s);
       }
       // 2. Online softmax, lane = query. Raw scores; the scale (> 0) is applied inside the
-      // exponent: exp(scale * s - scale * max). Four running maxima: one chain of 32 dependent
+      // exponent: exp2(log2(e) scale s - log2(e) scale max). Four running maxima: one chain of 32 dependent
       // maxes would take ~130 cycles.
       __m512 mx4[4] = {h.m, h.m, h.m, h.m};
       if (edge) {
@@ -250,15 +257,15 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
       const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
       // m = -inf at a query's first seen key: ~0; no key seen yet (window): 1, not exp(NaN).
       const __m512 alpha = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mx, neg_inf, _CMP_EQ_OQ),
-                                                exp16(_mm512_mul_ps(_mm512_sub_ps(h.m, mx), scale)),
+                                                exp2_16(_mm512_mul_ps(_mm512_sub_ps(h.m, mx), scale2)),
                                                 _mm512_set1_ps(1.f));
       h.m = mx;
-      const __m512 mxs = _mm512_mul_ps(mx, scale);
+      const __m512 mxs = _mm512_mul_ps(mx, scale2);
       __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
       for (int64_t kp = 0; kp < 16; ++kp) {
         const __m512 x0 = _mm512_load_ps(s + (2 * kp) * 16), x1 = _mm512_load_ps(s + (2 * kp + 1) * 16);
-        __m512 p0 = exp16(_mm512_fmsub_ps(x0, scale, mxs)), p1 = exp16(_mm512_fmsub_ps(x1, scale, mxs));
-        if (edge) {  // a masked key (x = -inf) gets exactly 0, not exp16's ~1e-38
+        __m512 p0 = exp2_16(_mm512_fmsub_ps(x0, scale2, mxs)), p1 = exp2_16(_mm512_fmsub_ps(x1, scale2, mxs));
+        if (edge) {  // a masked key (x = -inf) gets exactly 0, not exp2_16's ~1e-38
           p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, neg_inf, _CMP_NEQ_OQ), p0);
           p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x1, neg_inf, _CMP_NEQ_OQ), p1);
         }
