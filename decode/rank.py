@@ -8,17 +8,17 @@ Request life cycle on a colocated rank:
      Invalid input (ValueError) goes back at once as RequestError(400); nothing is queued.
   3. engine.step() runs the running batch (chunked prefill, continuous batching); every
      output of the step becomes one TokenEvent, and the step's events one TokenBatch. Host
-     cache pages the step stored or evicted go to the router first, as one CacheEvents (for
-     cache-aware routing; ranks that prefill, with a host cache).
+     cache pages stored or evicted go to the router as CacheEvents (cache-aware routing):
+     finished requests' before the batch, running ones' (written through after it) after.
   4. The last event of a request carries finish_reason, usage and PhaseTimes; the engine
      has freed the request's pages and SWA slot by then.
   5. Abort (client gone) calls engine.abort(): idempotent, frees pages at once, sends nothing.
   6. An engine exception fails every request on the rank with RequestError(500), aborts
      them (pages freed) and the rank keeps serving.
 On a decode rank (PD mode) requests arrive as Handoffs from prefill ranks instead of Generate:
-handoff_receiver.py queues them, pulls their KV when the engine has room and commits them
-(its docstring has the steps); from then on steps 3-6 apply, with the prefill rank's phase
-times and the pull's carried into the last event. The prefill role is prefill/rank.py.
+handoff_receiver.py queues them, pulls their KV when the engine has room and commits them (its
+docstring has the steps); then steps 3-6 apply, the prefill rank's phase times and the pull's
+carried into the last event. The prefill role is prefill/rank.py.
 The process exits when the router rejects it, asks it to, or goes silent (rank_link.py),
 and on SIGTERM/SIGINT: nothing is left behind by a dead router. With --rejoin it drops every
 request instead when the router goes away (RouterLost) and joins the next router as a fresh rank.
@@ -121,6 +121,11 @@ class RankLoop:
         self.steps += 1
         self._ship_cache_events()  # before the tokens: a client's next turn finds the index current
         self._on_outputs(outs)
+        try:  # running prompts' pages to the host cache, once their tokens have left
+            eng.flush_write_through()
+        except Exception:  # noqa: BLE001 - the cache misses those pages; the requests go on
+            log.exception("host cache write-through failed")
+        self._ship_cache_events()
         self._stats = self._snapshot()
 
     def _wait_s(self) -> float:
@@ -292,9 +297,7 @@ def load_engine(engine_cfg, warmup: bool):
     if warmup:
         # First steps' one-off costs (kernel JIT, allocator growth; a sampled row) before Hello.
         engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=1.0, seed=0))
-    # What is loaded (~350k objects) lives as long as the rank: out of the cyclic GC's passes, as in
-    # the router (a full pass over it took ~100 ms of a core, stalling a step or a lent core).
-    gc.freeze()
+    gc.freeze()  # what is loaded (~350k objects) out of the cyclic GC's passes: a full one took ~100 ms
     return engine
 
 
@@ -332,12 +335,6 @@ def parse_rank_args(argv, description: str, default_role: str):
     return cfg, from_args(args, HandoffConfig), from_cli_args(args, EngineConfig)
 
 
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -> int:
     """Run `loop` on this thread with `link` on its IO thread until the rank must exit."""
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -347,10 +344,12 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
         while not link.stopped.wait(0.2):
             pass
     if cfg.core_board:
+        import torch
+
         from decode.core_board import CoreBoard
 
         # Only the bf16 kernels are thread-count invariant: an fp32 model lends nothing by default.
-        loop.board = CoreBoard(cfg.core_board, cfg.core_slot, torch_threads(), lend_all=cfg.lend_all,
+        loop.board = CoreBoard(cfg.core_board, cfg.core_slot, torch.get_num_threads(), lend_all=cfg.lend_all,
                                bf16=engine is None or engine.cfg.dtype == "bfloat16")
         if engine is not None:
             engine.runner.model.between_layers = loop.board.recheck

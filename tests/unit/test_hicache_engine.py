@@ -149,3 +149,23 @@ def test_prefill_only_export_after_a_hit_decodes_the_same(tiny_model_dir):
     while dec.has_unfinished():
         toks += [t for o in dec.step() for t in o.new_token_ids]
     assert toks == ref
+
+
+def test_write_through_waits_for_the_flush_unless_the_row_finishes(tiny_model_dir):
+    """A running prompt's pages reach the host cache at flush_write_through() (a rank calls it once
+    the step's tokens have left) or the next step(); one that finishes in its step is stored before
+    step() returns (its pages are freed then)."""
+    eng = _engine(tiny_model_dir("llama"), max_num_batched_tokens=64)
+    going, ending = _rand(13, seed=40), _rand(11, seed=41)
+    eng.add_request("going", going, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    eng.add_request("ending", ending, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    outs = {o.request_id: o for o in eng.step()}  # both prompts in one step
+    assert outs["ending"].finished and not outs["going"].finished
+    assert len(eng.hicache.index) == len(ending) // PS  # stored before its pages went
+    eng.flush_write_through()
+    assert len(eng.hicache.index) == len(ending) // PS + len(going) // PS
+    eng.flush_write_through()  # nothing left: a second flush stores nothing twice
+    assert len(eng.hicache.index) == len(ending) // PS + len(going) // PS
+    while eng.has_unfinished():
+        eng.step()
+    _assert_idle(eng)
