@@ -228,7 +228,7 @@ void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* b
           if (s0 == 0) pack_block(w, N, K, blk, gated, own);
           wp = own;
         }
-        // k in slices whose w block (16 KB) stays in L1 while the x rows stream past it, the short
+        // k in slices whose w block (36 or 16 KB) stays in L1 while the x rows stream past it, the short
         // one first so that the last (where a row block's epilogue overlaps the next one's tiles) is long.
         const int64_t first_kc = kcs - (kcs - 1) / slice_kc * slice_kc;
         for (int64_t kc0 = 0; kc0 < kcs; kc0 = kc0 ? kc0 + slice_kc : first_kc) {

@@ -241,8 +241,8 @@ void block(const Args& a, int64_t h0, int64_t G, int64_t r0, int64_t steps_all, 
         scores_avx512(kt, h.qp, st, dcs, s);
       }
       // 2. Online softmax, lane = query. Raw scores; the scale (> 0) is applied inside the
-      // exponent: exp2(log2(e) scale s - log2(e) scale max). Four running maxima: one chain of 32 dependent
-      // maxes would take ~130 cycles.
+      // exponent: 2^(log2(e) scale s - log2(e) scale max). Four running maxima: one chain of 32
+      // dependent maxes would take ~130 cycles.
       __m512 mx4[4] = {h.m, h.m, h.m, h.m};
       if (edge) {
         for (int64_t j = 0; j < 32; ++j) {
@@ -323,11 +323,13 @@ template <bool Amx>
 void run(const Args& a) {
   const int64_t steps = (a.L + 31) / 32, qblocks = (a.n + 15) / 16, group = a.H / a.KVH;
   const int64_t tiles_per_head = steps * 2 * (a.D / 32) * 512;  // kt; vt has the same size
-  // The packed K/V of every kv head, in a buffer the calling thread keeps (pack_kv writes all of
-  // it): a fresh zeroed vector per call (~0.8 MB for 530 tokens, past malloc's mmap threshold)
-  // cost a page fault a 4 KB page and a memset, ~90 us of a ~520 us call on two threads.
+  // The packed K/V of every kv head, in a buffer the calling thread keeps at its largest call's
+  // size (pack_kv writes all of it; ~6 MB for SmolLM2 at 8k tokens): a fresh zeroed vector per
+  // call (~0.8 MB for 530 tokens, past malloc's mmap threshold) cost page faults and a memset,
+  // ~90 us of a ~520 us call on two threads.
   static thread_local std::vector<uint16_t> kv;
-  if (kv.size() < static_cast<size_t>(a.KVH * 2 * tiles_per_head)) kv.resize(static_cast<size_t>(a.KVH * 2 * tiles_per_head));
+  const size_t kv_elems = static_cast<size_t>(a.KVH * 2 * tiles_per_head);
+  if (kv.size() < kv_elems) kv.resize(kv_elems);
   // (A worker thread sees its own thread_local: the lambdas below take this pointer.)
   uint16_t* const kvp = kv.data();
   at::parallel_for(0, a.KVH, 1, [&](int64_t g0, int64_t g1) {
