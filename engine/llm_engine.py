@@ -280,9 +280,10 @@ class LLMEngine:
     def _store_now(self, seq: Sequence) -> None:
         """Write `seq`'s share of the last step through now: it is about to finish (or hand its
         pages to export_kv)."""
-        if any(s is seq for s, _ in self._unstored):
-            self.hicache.write_through([e for e in self._unstored if e[0] is seq], self.pool)
+        mine = [e for e in self._unstored if e[0] is seq]
+        if mine:
             self._unstored = [e for e in self._unstored if e[0] is not seq]
+            self.hicache.write_through(mine, self.pool)
 
     def _after_token(self, seq: Sequence, tok: int, lp) -> RequestOutput:
         p = seq.params
