@@ -199,8 +199,13 @@ void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* b
     std::memcpy(tail.data(), x + mfull * K, (M - mfull) * K * sizeof(c10::BFloat16));
   }
   // x is read in spans of rows that fit in L2 with room to spare (at least one 32-row
-  // block); without a packed copy a thread packs its w blocks during the first span and keeps them.
-  const int64_t span = std::max<int64_t>(kBlockM, (kSpanBytes / (K * 2)) / kBlockM * kBlockM);
+  // block), of even sizes: 530 rows of K = 1536 go as 192 + 192 + 146, not 256 + 256 + 18 (a
+  // last span of a few rows streams every w block again for little work; SmolLM2's down
+  // projection, 30 layers on one thread: 22.3 -> 20.5 ms; on two, no change measured). Without a
+  // packed copy a thread packs its w blocks during the first span and keeps them.
+  const int64_t span_max = std::max<int64_t>(kBlockM, (kSpanBytes / (K * 2)) / kBlockM * kBlockM);
+  const int64_t nspans = (M + span_max - 1) / span_max;
+  const int64_t span = ((M + nspans - 1) / nspans + kBlockM - 1) / kBlockM * kBlockM;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     amx::load_tile_config();
     uint32_t* packed = nullptr;
