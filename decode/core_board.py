@@ -15,7 +15,12 @@ settled) during the step: a prompt that reaches one rank just as the other finis
 request (one client sending requests back to back, alternately routed) would otherwise
 prefill on the rank's own threads alone (measured: time to first token 0.64 s instead of
 0.38 s for 512 tokens on 2 cores). `settle_s` keeps the short gaps of a busy rank (a request
-finishing just before the next arrives) from being lent.
+finishing just before the next arrives) from being lent, except to a step of more than
+`eager_rows` rows (a prompt's prefill), which takes any idle peer's threads at once: one client
+sending requests back to back to alternate ranks (`bench_serve.sh` at concurrency 1) has the
+next prompt arrive a few ms after the peer went idle, and waiting for it to settle ran the first
+~20 ms of that prefill on half the cores. A rank marks itself idle before it waits for work
+(decode/rank.py), not after the wait (up to IDLE_WAIT_S).
 Numerics: by default only steps of at most `invariant_rows` rows borrow (every step with the
 packed AVX512-BF16 linear kernel, 1024 rows with its AMX GEMM, 32 with PDSERVE_CHUNK_GEMM=0:
 engine/layers/linear.py). Their ops
@@ -90,7 +95,7 @@ class CoreBoard:
     """One rank's view of the board: `busy()` before a step, `idle()` when out of work."""
 
     def __init__(self, path: str | Path, slot: int, own_threads: int, max_threads: int | None = None,
-                 settle_s: float = 0.02, lend_all: bool = False, bf16: bool = True) -> None:
+                 settle_s: float = 0.02, lend_all: bool = False, bf16: bool = True, eager_rows: int = 128) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -104,6 +109,8 @@ class CoreBoard:
         self.own = max(1, own_threads)
         self.max = max(self.own, max_threads or os.cpu_count() or 1)
         self.settle_s = settle_s
+        self.eager_rows = eager_rows  # busy(eager=True) for steps of more rows: see the module's doc
+        self._settle = settle_s  # the running step's (0 for an eager one)
         self.lend_all = lend_all
         self.threads = self.own
         self._lendable = False  # the running step may borrow (busy() said so)
@@ -120,23 +127,26 @@ class CoreBoard:
     def _write(self, value: float) -> None:
         SLOT.pack_into(self._mm, self.slot * SLOT.size, value)
 
-    def idle_peers(self, now: float | None = None) -> int:
-        """Peers idle for at least settle_s at `now` (default: the clock's now)."""
+    def idle_peers(self, now: float | None = None, settle_s: float | None = None) -> int:
+        """Peers idle for at least `settle_s` (default: the board's) at `now` (default: the clock's now)."""
         now = time.monotonic() if now is None else now
+        settle = self.settle_s if settle_s is None else settle_s
         n = 0
         for i in range(self.slots):
             if i != self.slot:
                 since = SLOT.unpack_from(self._mm, i * SLOT.size)[0]
-                n += since > 0.0 and now - since >= self.settle_s
+                n += since > 0.0 and now - since >= settle
         return n
 
-    def busy(self, invariant: bool = True) -> int:
+    def busy(self, invariant: bool = True, eager: bool = False) -> int:
         """Mark this rank busy and set torch's threads for the next step; returns them. Steps
-        whose bits would depend on the thread count (not `invariant`) borrow only with lend_all."""
+        whose bits would depend on the thread count (not `invariant`) borrow only with lend_all;
+        an `eager` step (more than eager_rows rows) does not wait for idle peers to settle."""
         if self._idle_since is not None:
             self._idle_since = None
             self._write(0.0)
         self._lendable = invariant or self.lend_all
+        self._settle = 0.0 if eager else self.settle_s
         self._set(self._lending() if self._lendable else self.own)
         return self.threads
 
@@ -148,7 +158,7 @@ class CoreBoard:
             self._set(self._lending())
 
     def _lending(self) -> int:
-        return min(self.max, self.own * (1 + self.idle_peers()))
+        return min(self.max, self.own * (1 + self.idle_peers(settle_s=self._settle)))
 
     def idle(self) -> None:
         """Mark this rank idle (from now) and drop back to its own threads."""

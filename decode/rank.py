@@ -49,7 +49,7 @@ from pd_server.protocol.router_rank import Abort, Generate, Peers
 
 log = logging.getLogger("decode.rank")
 
-IDLE_WAIT_S = 0.05  # inbox wait when the engine has nothing to run
+IDLE_WAIT_S = 0.25  # inbox wait when the engine has nothing to run (why so long: rank_link.Wake)
 # After shipping a request's first token, the engine thread sleeps this long before its next step
 # when it has one: with every core running this rank's step threads, the token otherwise waits
 # for a core to get out (this process's IO thread, then the router's loop). Measured, colocated
@@ -103,15 +103,16 @@ class RankLoop:
     def run_once(self) -> None:
         """One turn: take messages (waiting only when idle), role work, one engine step."""
         eng = self.engine
+        if self.board is not None and not eng.has_unfinished():
+            self.board.idle()  # before the wait: a peer's step may take this rank's cores from now on
         self._admit(self._wait_s())
         self._progress()
         if not eng.has_unfinished():
-            if self.board is not None:
-                self.board.idle()
             self._stats = self._snapshot()
             return
-        if self.board is not None:
-            self.board.busy(eng.next_step_rows_at_most(self.board.invariant_rows))
+        if self.board is not None:  # (a step of many rows takes idle peers' cores before they settle)
+            self.board.busy(eng.next_step_rows_at_most(self.board.invariant_rows),
+                            not eng.next_step_rows_at_most(self.board.eager_rows))
         try:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank

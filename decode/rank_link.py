@@ -53,7 +53,18 @@ class RouterLost:
     reason: str
 
 
-Inbound = Generate | Abort | Peers | PeerMessage | RouterLost
+@dataclass(frozen=True)
+class Wake:
+    """In-process only: put on `inbox` by stop(), so that an engine thread waiting for work sees
+    `stopped` at once. An idle engine thread waits for a message up to 0.25 s (IDLE_WAIT_S), and
+    this IO thread polls up to IO_POLL_MS, rather than waking every 50 / 100 ms: wake-ups of one
+    rank's idle threads take cores from the step of another on the same host (measured: a
+    530-token prompt's prefill on 2 cores beside an idle colocated-2 cluster, three alternations,
+    medians 80.2-81.8 -> 78.6-80.9 ms; 77.6-78.9 with no cluster running)."""
+
+
+Inbound = Generate | Abort | Peers | PeerMessage | RouterLost | Wake
+IO_POLL_MS = 250  # the IO thread's longest poll (heartbeats, deadlines and messages wake it sooner)
 
 
 class RankLink:
@@ -118,6 +129,7 @@ class RankLink:
         if not self.stopped.is_set():
             self.stop_reason, self.exit_code = reason, code
             self.stopped.set()
+            self.inbox.put(Wake())
 
     def close(self) -> None:
         """Engine thread, after it stopped: join the IO thread and close every socket."""
@@ -159,9 +171,9 @@ class RankLink:
         while not self.stopped.is_set():
             now = time.monotonic()
             due = next_stats if welcomed else next_hello
-            events = dict(poller.poll(max(1, min(100, int((due - now) * 1000)))))
-            # NOTE: this loop wakes at least every 100 ms. A longer gap means this process did not
-            # run (SIGSTOP, a starved machine): the silence was ours, so the router gets a fresh
+            events = dict(poller.poll(max(1, min(IO_POLL_MS, int((due - now) * 1000)))))
+            # NOTE: this loop wakes at least every IO_POLL_MS. A gap over 1 s means this process did
+            # not run (SIGSTOP, a starved machine): the silence was ours, so the router gets a fresh
             # timeout to answer the stats sent below (a router that declared this rank dead
             # answers with Shutdown) before it is presumed gone.
             if time.monotonic() - last_loop > 1.0:

@@ -93,6 +93,47 @@ def test_a_step_takes_the_threads_of_a_peer_that_goes_idle_during_it(tmp_path, t
     assert a.threads == 1
 
 
+def test_a_long_step_takes_an_idle_peers_threads_before_it_settles(tmp_path, threads):
+    """A prompt's prefill (more than eager_rows rows) borrows a peer that has just gone idle; a
+    short step waits for it to settle; either hands the threads back once the peer is busy."""
+    path = create_board(tmp_path / "board", 2)
+    a, b = CoreBoard(path, 0, 1, 2, settle_s=60.0), CoreBoard(path, 1, 1, 2, settle_s=60.0)
+    b.idle()
+    assert a.busy() == 1  # a decode step: the peer has not settled
+    assert a.busy(eager=True) == 2 and torch.get_num_threads() == 2
+    a.recheck()
+    assert a.threads == 2  # between layers too
+    b.busy()
+    a.recheck()
+    assert a.threads == 1
+    b.idle()
+    assert a.busy(invariant=False, eager=True) == 1  # bits that depend on the thread count: never
+
+
+def test_a_rank_marks_itself_idle_before_it_waits_for_work(tmp_path, threads):
+    """Not after the wait (up to IDLE_WAIT_S): a peer's prefill that starts meanwhile gets the cores."""
+    from decode.rank import RankLoop
+
+    path = create_board(tmp_path / "board", 2)
+    mine, peer = CoreBoard(path, 0, 1, 2, settle_s=0.0), CoreBoard(path, 1, 1, 2, settle_s=0.0)
+    seen = []
+
+    class Loop(RankLoop):
+        def __init__(self) -> None:  # no engine: nothing to run
+            self.engine = type("Idle", (), {"has_unfinished": lambda _: False})()
+            self.board, self._stats = mine, None
+
+        def _admit(self, wait_s: float) -> None:
+            seen.append(peer.busy(eager=True))
+
+        def _snapshot(self):
+            return None
+
+    mine.busy()
+    Loop().run_once()
+    assert seen == [2]
+
+
 def test_threads_are_capped_and_bad_slots_refused(tmp_path, threads):
     path = create_board(tmp_path / "board", 2)
     a, b = CoreBoard(path, 0, own_threads=1, max_threads=1, settle_s=0.0), CoreBoard(path, 1, 1, 8, settle_s=0.0)
