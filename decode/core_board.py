@@ -18,9 +18,9 @@ prefill on the rank's own threads alone (measured: time to first token 0.64 s in
 finishing just before the next arrives) from being lent, except to a step of more than
 `eager_rows` rows (a prompt's prefill), which takes any idle peer's threads at once: one client
 sending requests back to back to alternate ranks (`bench_serve.sh` at concurrency 1) has the
-next prompt arrive a few ms after the peer went idle, and waiting for it to settle ran the first
-~20 ms of that prefill on half the cores. A rank marks itself idle before it waits for work
-(decode/rank.py), not after the wait (up to IDLE_WAIT_S).
+next prompt arrive a few ms after the peer went idle, and waiting for it to settle would run up
+to the first 20 ms of that prefill on half the cores. A rank marks itself idle before it waits
+for work (decode/rank.py), not after the wait (up to IDLE_WAIT_S).
 Numerics: by default only steps of at most `invariant_rows` rows borrow (every step with the
 packed AVX512-BF16 linear kernel, 1024 rows with its AMX GEMM, 32 with PDSERVE_CHUNK_GEMM=0:
 engine/layers/linear.py). Their ops

@@ -111,8 +111,8 @@ class RankLoop:
             self._stats = self._snapshot()
             return
         if self.board is not None:  # (a step of many rows takes idle peers' cores before they settle)
-            self.board.busy(eng.next_step_rows_at_most(self.board.invariant_rows),
-                            not eng.next_step_rows_at_most(self.board.eager_rows))
+            rows, b = eng.next_step_rows(), self.board  # (something runs: has_unfinished)
+            b.busy(rows <= b.invariant_rows, rows > b.eager_rows)
         try:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank

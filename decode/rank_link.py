@@ -74,7 +74,8 @@ class RankLink:
         `peers` (PD ranks) is owned by the IO thread from `start()` on and closed with the link."""
         self.cfg = cfg
         self.peers = peers
-        self.inbox: queue.Queue[Inbound] = queue.Queue()
+        # SimpleQueue: its put() is reentrant, so stop() may run in a signal handler (Wake)
+        self.inbox: queue.SimpleQueue[Inbound] = queue.SimpleQueue()
         self.stopped = threading.Event()
         self.exit_code = 0
         self.stop_reason = ""

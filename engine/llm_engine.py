@@ -222,15 +222,19 @@ class LLMEngine:
         return True
 
     # ---- the loop -------------------------------------------------------------
-    def next_step_rows_at_most(self, max_rows: int) -> bool:
-        """True when the next step will run at least one and at most `max_rows` rows (a bound:
-        every running and waiting sequence's next chunk, capped by the token budget). Steps up
-        to the Linear kernel's row limit give every row the same bits at any thread count."""
+    def next_step_rows(self) -> int:
+        """A bound on the next step's rows: every running and waiting sequence's next chunk,
+        capped by the token budget (0 with nothing to run)."""
         sched = self.scheduler
-        if not sched.running and not sched.waiting:
-            return False
         rows = sum(s.num_schedulable for s in sched.running) + sum(s.num_schedulable for s in sched.waiting)
-        return min(rows, sched.budget) <= max_rows
+        return min(rows, sched.budget)
+
+    def next_step_rows_at_most(self, max_rows: int) -> bool:
+        """True when the next step will run at least one and at most `max_rows` rows (by
+        next_step_rows' bound). Steps up to the Linear kernel's row limit give every row the same
+        bits at any thread count."""
+        sched = self.scheduler
+        return bool(sched.running or sched.waiting) and self.next_step_rows() <= max_rows
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
