@@ -85,6 +85,11 @@ constexpr int64_t kGemmMaxWeights = 8 << 20;
 // Up to this many x rows the W tiles are rebuilt from the weight's quant copy where the caller
 // passes one (pack_quant_weight): one x tile, so each rebuilt tile is used once.
 constexpr int64_t kQuantRows = 16;
+// Without AMX, up to this many x rows read the AVX-512 path's quant copy (weights rebuilt in
+// registers, csrc/packed_quant.cpp) instead of the packed bf16 weight. AMD Zen 4, SmolLM2's decode
+// step on one thread, alternated: 1 row 13.4-14.5 -> 11.4-12.1 ms, 2 rows 14.4-17.9 -> 13.7-14.2,
+// 3 rows the same (the rebuild, ~7 cycles a zmm, then costs what the reads save).
+constexpr int64_t kQuantRowsAvx = 2;
 
 }  // namespace
 
@@ -121,6 +126,17 @@ void check_weight(const at::Tensor& w, const char* who) {
               ": w must be a contiguous bfloat16 [N, K]");
 }
 
+#if defined(__AVX512BF16__)
+// The kind of an AVX-512 quant copy given for w [N, K] (pack_quant_weight without AMX); 0 for none.
+int avx_quant_kind(const c10::optional<at::Tensor>& quant, int64_t N, int64_t K) {
+  if (!quant.has_value() || !quant->defined()) return 0;
+  const int kind = linear::quant_copy_kind(quant->numel(), N, K);
+  TORCH_CHECK(quant->scalar_type() == at::kByte && quant->is_contiguous() && kind,
+              "small_linear: quant must be pack_quant_weight(w32, w) for this w");
+  return kind;
+}
+#endif
+
 at::Tensor pack_linear_weight_cpu(const at::Tensor& w) {
   check_weight(w, "pack_linear_weight");
 #if defined(__AVX512BF16__)
@@ -151,7 +167,8 @@ at::Tensor pack_gated_linear_weight_cpu(const at::Tensor& w) {
 #endif
 }
 
-at::Tensor small_linear_gated_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t K, bool gelu) {
+at::Tensor small_linear_gated_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t K, bool gelu,
+                                  const c10::optional<at::Tensor>& quant) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == K,
               "small_linear_gated: x must be a contiguous bfloat16 [M, K] with K = ", K);
   const int64_t M = x.size(0), K2 = (K + 1) / 2;
@@ -162,7 +179,11 @@ at::Tensor small_linear_gated_cpu(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(gated_supported(N, K), "small_linear_gated: unsupported here");
   at::Tensor out = at::empty({M, N / 2}, x.options());
 #if defined(__AVX512BF16__)
-  if (M)
+  const int qkind = M <= kQuantRowsAvx ? avx_quant_kind(quant, N, K) : 0;
+  if (M && qkind)
+    linear::run_packed_quant(x.data_ptr<c10::BFloat16>(), quant->data_ptr<uint8_t>(), qkind, nullptr,
+                             out.data_ptr<c10::BFloat16>(), M, N, K, gelu ? kGatedGelu : kGatedSilu);
+  else if (M)
     run_packed(x.data_ptr<c10::BFloat16>(), packed.data_ptr<c10::BFloat16>(), nullptr, out.data_ptr<c10::BFloat16>(),
                M, N, K, 0, gelu ? kGatedGelu : kGatedSilu);
 #endif
@@ -224,21 +245,40 @@ at::Tensor small_linear_gated_amx_cpu(const at::Tensor& x, const at::Tensor& w, 
 // from w's fp32 values where every 32-weight block is exactly in GGUF Q4_1's form (6 bits a
 // weight read, d and m kept in fp32) or Q8_0's (9 bits); an empty tensor where neither holds or
 // AMX does not run here. uint8, its size tells the form.
-at::Tensor pack_quant_weight_cpu(const at::Tensor& w32, const at::Tensor& w) {
+at::Tensor pack_quant_weight_cpu(const at::Tensor& w32, const at::Tensor& w, bool gated) {
   check_weight(w, "pack_quant_weight");
   TORCH_CHECK(w32.scalar_type() == at::kFloat && w32.is_contiguous() && w32.sizes() == w.sizes(),
               "pack_quant_weight: w32 must be a contiguous float32 tensor of w's shape");
-#if defined(PDSERVE_AMX)
   const int64_t N = w.size(0), K = w.size(1);
-  for (int kind : {kQuantQ4H, kQuantQ4, kQuantQ8}) {  // fewest bytes first
-    const int64_t bytes = amx_quant_bytes(N, K, kind);
-    if (!bytes || !amx::permitted()) break;
-    at::Tensor q = at::empty({bytes}, w.options().dtype(at::kByte));
-    if (amx_quant_pack(w32.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), N, K, kind, q.data_ptr<uint8_t>())) return q;
+#if defined(PDSERVE_AMX)
+  if (!gated && amx::permitted()) {
+    for (int kind : {kQuantQ4H, kQuantQ4, kQuantQ8}) {  // fewest bytes first
+      const int64_t bytes = amx_quant_bytes(N, K, kind);
+      if (!bytes) break;
+      at::Tensor q = at::empty({bytes}, w.options().dtype(at::kByte));
+      if (amx_quant_pack(w32.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), N, K, kind, q.data_ptr<uint8_t>())) return q;
+    }
   }
 #endif
+#if defined(__AVX512BF16__)
+  // Without AMX: the AVX-512 path's form, for the whole matrix (gated: the gated epilogue's units)
+  if (avx_first_column(N, K) == 0 && (!gated || gated_supported(N, K))) {
+    for (int kind : {linear::kQ4H, linear::kQ4, linear::kQ8}) {
+      const int64_t bytes = linear::quant_copy_bytes(N, K, kind);
+      if (!bytes) break;
+      at::Tensor q = at::empty({bytes}, w.options().dtype(at::kByte));
+      if (linear::pack_quant(w32.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), N, K, gated, kind,
+                             q.data_ptr<uint8_t>()))
+        return q;
+    }
+  }
+#endif
+  (void)gated;
+  (void)N;
+  (void)K;
   return at::empty({0}, w.options().dtype(at::kByte));
 }
+
 
 #if defined(PDSERVE_AMX)
 // (pointer, kind) of a quant copy given for w [N, K]; (null, 0) for none.
@@ -297,7 +337,10 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
       }
     }
 #endif
-    if (n0 < N) {
+    const int qkind = n0 == 0 && M <= kQuantRowsAvx ? avx_quant_kind(quant, N, K) : 0;
+    if (qkind) {
+      linear::run_packed_quant(xd, quant->data_ptr<uint8_t>(), qkind, b, od, M, N, K);
+    } else if (n0 < N) {
       if (!wp.defined()) wp = pack(w, n0);  // a call without the layer's packed copy: packed here
       run_packed(xd, wp.data_ptr<c10::BFloat16>(), b, od, M, N, K, n0);
     }
@@ -313,7 +356,7 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10:
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias, Tensor? packed=None, Tensor? gemm=None, Tensor? quant=None) -> Tensor");
-  m.def("pack_quant_weight(Tensor w32, Tensor w) -> Tensor");
+  m.def("pack_quant_weight(Tensor w32, Tensor w, bool gated=False) -> Tensor");
   m.def("pack_amx_gemm_weight(Tensor w, bool gated) -> Tensor");
   m.def("amx_gemm_rows() -> int", &pdserve::amx_gemm_rows);
   m.def("small_linear_gated_amx(Tensor x, Tensor w, Tensor gemm, bool gelu) -> Tensor");
@@ -321,7 +364,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("small_linear_supported() -> bool", &pdserve::small_linear_supported);
   m.def("small_linear_amx() -> bool", &pdserve::small_linear_amx);
   m.def("pack_gated_linear_weight(Tensor w) -> Tensor");
-  m.def("small_linear_gated(Tensor x, Tensor packed, int k, bool gelu) -> Tensor");
+  m.def("small_linear_gated(Tensor x, Tensor packed, int k, bool gelu, Tensor? quant=None) -> Tensor");
   m.def("small_linear_gated_supported(int n, int k) -> bool", &pdserve::gated_supported);
 }
 

@@ -22,7 +22,7 @@ sequential stream: 0.84x the 16-row W-tile path's time at 32 rows, 0.68x at 128)
 PDSERVE_GEMM_COPY=0, more than 128 rows.
 
 Where the checkpoint is a GGUF model's dequantized values (the model cache converts GGUF to fp32
-safetensors) and AMX runs, the loader also gives each layer a block-quantized copy of its weight
+safetensors), the loader also gives each layer a block-quantized copy of its weight
 (`attach_quant`, `pack_quant_weight`): every 32-weight block found exactly in Q4_1's form (d q + m;
 SmolLM2's layers: 5 bits a weight read, d and m kept as fp16 where they are exactly GGUF's fp16
 values, else as fp32: 6 bits, as Gemma 3's Q4_K blocks give) or Q8_0's (d q; its embedding, the
@@ -31,7 +31,9 @@ rebuild each 16 x 32 tile in L1 before its tile product: the same bf16 values, s
 (each copy is checked weight for weight against the bf16 weight when it is made), from 2.4x fewer
 bytes. SmolLM2, one thread, in-process: a 4-row decode step 36-40 -> 26-30 ms, 16 rows 62-68 ->
 54-57 ms (the rebuild, not the reads, is most of the layers' time: ~5 cycles a 32-weight block).
-PDSERVE_QUANT_COPY=0 turns it off.
+Without AMX (AMD Zen 4) batches of up to 8 rows read the AVX-512 path's form of the copy
+(`csrc/packed_quant.cpp`: each zmm of the packed k-pair layout rebuilt in registers before its
+vdpbf16ps; a GatedLinear's copy in its gated layout). PDSERVE_QUANT_COPY=0 turns it off.
 
 GatedLinear, a gated MLP's fused gate|up projection, runs the activation in the kernel's
 epilogue (`forward_act`) where the AVX-512 path covers the whole matrix, and on the AMX GEMM
@@ -70,9 +72,10 @@ def small_linear_available() -> bool:
     if os.environ.get("PDSERVE_SMALL_LINEAR", "1") == "0":
         return False
     load_kernel("engine.layers.linear", "small_linear_cpu",
-                ["small_linear.cpp", "packed_linear.cpp", "amx_rows.cpp", "amx_gemm.cpp"], _CFLAGS,
+                ["small_linear.cpp", "packed_linear.cpp", "packed_quant.cpp", "amx_rows.cpp", "amx_gemm.cpp"], _CFLAGS,
                 headers=["include/act_vec.h", "include/amx_tiles.h", "include/amx_gemm.h", "include/bf16_vec.h",
-                         "include/cephes_exp.h", "include/packed_linear.h", "include/transpose16.h"])
+                         "include/cephes_exp.h", "include/dynamic_for.h", "include/packed_linear.h",
+                         "include/quant_blocks.h", "include/transpose16.h"])
     return bool(torch.ops.pdserve.small_linear_supported())
 
 
@@ -91,17 +94,18 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.pdserve.small_linear(x, weight, bias, packed, gemm, quant)
 
 
-def pack_quant_weight(w32: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """The block-quantized copy of a bf16 [N, K] weight that small_linear's AMX tiles can read
+def pack_quant_weight(w32: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+    """The block-quantized copy of a bf16 [N, K] weight that small_linear's decode batches can read
     instead of it, found from the fp32 values `w32` it was rounded from: where every 32-weight
     block is exactly a GGUF Q4_1 block (w = d q + m, 5 bits a weight read with fp16 d and m, 6
     where they are not fp16 values) or Q8_0 block (w = d q, 9 bits), every rebuilt weight checked
-    against `weight`. None where that does not hold, AMX
-    does not run here, or PDSERVE_QUANT_COPY=0."""
+    against `weight`. In the AMX tiles' form where AMX runs, else the AVX-512 path's
+    (`csrc/packed_quant.cpp`; gated: a gate|up weight's copy for small_linear_gated). None where
+    that does not hold, or PDSERVE_QUANT_COPY=0."""
     if (os.environ.get("PDSERVE_QUANT_COPY", "1") == "0" or w32.dtype != torch.float32 or weight.dim() != 2
-            or not small_linear_available() or not torch.ops.pdserve.small_linear_amx()):
+            or not small_linear_available()):
         return None
-    t = torch.ops.pdserve.pack_quant_weight(w32.contiguous(), weight)
+    t = torch.ops.pdserve.pack_quant_weight(w32.contiguous(), weight, gated)
     return t if t.numel() else None
 
 
@@ -133,10 +137,11 @@ def pack_gated_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.pdserve.pack_gated_linear_weight(weight)
 
 
-def small_linear_gated(x: torch.Tensor, packed: torch.Tensor, gelu: bool) -> torch.Tensor:
+def small_linear_gated(x: torch.Tensor, packed: torch.Tensor, gelu: bool, quant: torch.Tensor | None = None) -> torch.Tensor:
     """act(x @ gate.T) * (x @ up.T) -> [M, I] bf16, with packed = pack_gated_weight(gate|up);
-    bitwise act_and_mul(small_linear(x, gate|up), gelu)."""
-    return torch.ops.pdserve.small_linear_gated(x, packed, x.shape[1], gelu)
+    bitwise act_and_mul(small_linear(x, gate|up), gelu). `quant`: pack_quant_weight(w32, gate|up,
+    gated=True), read instead of `packed` by decode batches (same bits)."""
+    return torch.ops.pdserve.small_linear_gated(x, packed, x.shape[1], gelu, quant)
 
 
 def gated_usable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -190,7 +195,7 @@ class Linear(nn.Linear):
         w = self.weight
         if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous():
             return False
-        q = pack_quant_weight(w32, w)
+        q = pack_quant_weight(w32, w, isinstance(self, GatedLinear) and self.gated())
         self._quant = None if q is None else (Linear.packed_key(self), q)
         return q is not None
 
@@ -278,7 +283,7 @@ class GatedLinear(Linear):
         """act_and_mul(self(x), gelu): [T, K] -> [T, I]; `gelu` picks gelu-tanh over silu."""
         if x.dim() == 2 and x.dtype == self.weight.dtype and x.shape[0] <= gemm_rows():
             if self.gated():
-                return small_linear_gated(x.contiguous(), self.packed_weight(), gelu)
+                return small_linear_gated(x.contiguous(), self.packed_weight(), gelu, self.quant_weight())
             if x.shape[0] >= amx_gemm_rows() > 0 and self._gemm_gated and (gemm := self.gemm_weight()) is not None:
                 return small_linear_gated_amx(x.contiguous(), self.weight, gemm, gelu)
         return act_and_mul(self(x), gelu)
