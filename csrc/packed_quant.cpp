@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 

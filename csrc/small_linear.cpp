@@ -241,10 +241,11 @@ at::Tensor small_linear_gated_amx_cpu(const at::Tensor& x, const at::Tensor& w, 
   return out;
 }
 
-// A block-quantized copy of w (the 16-row AMX tiles rebuilt from it per call, same bits), made
-// from w's fp32 values where every 32-weight block is exactly in GGUF Q4_1's form (6 bits a
-// weight read, d and m kept in fp32) or Q8_0's (9 bits); an empty tensor where neither holds or
-// AMX does not run here. uint8, its size tells the form.
+// A block-quantized copy of w (the 16-row AMX tiles rebuilt from it per call where AMX runs, else
+// the AVX-512 path's zmm in registers, csrc/packed_quant.cpp; same bits), made from w's fp32
+// values where every 32-weight block is exactly in GGUF Q4_1's form (5 or 6 bits a weight read,
+// d and m as fp16 or fp32) or Q8_0's (9 bits); gated: w is gate|up, the copy small_linear_gated
+// reads (AVX-512 only). An empty tensor where no form holds. uint8, its size tells the form.
 at::Tensor pack_quant_weight_cpu(const at::Tensor& w32, const at::Tensor& w, bool gated) {
   check_weight(w, "pack_quant_weight");
   TORCH_CHECK(w32.scalar_type() == at::kFloat && w32.is_contiguous() && w32.sizes() == w.sizes(),
@@ -278,7 +279,6 @@ at::Tensor pack_quant_weight_cpu(const at::Tensor& w32, const at::Tensor& w, boo
   (void)K;
   return at::empty({0}, w.options().dtype(at::kByte));
 }
-
 
 #if defined(PDSERVE_AMX)
 // (pointer, kind) of a quant copy given for w [N, K]; (null, 0) for none.

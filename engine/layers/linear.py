@@ -31,9 +31,10 @@ rebuild each 16 x 32 tile in L1 before its tile product: the same bf16 values, s
 (each copy is checked weight for weight against the bf16 weight when it is made), from 2.4x fewer
 bytes. SmolLM2, one thread, in-process: a 4-row decode step 36-40 -> 26-30 ms, 16 rows 62-68 ->
 54-57 ms (the rebuild, not the reads, is most of the layers' time: ~5 cycles a 32-weight block).
-Without AMX (AMD Zen 4) batches of up to 8 rows read the AVX-512 path's form of the copy
+Without AMX (AMD Zen 4) batches of up to 2 rows read the AVX-512 path's form of the copy
 (`csrc/packed_quant.cpp`: each zmm of the packed k-pair layout rebuilt in registers before its
-vdpbf16ps; a GatedLinear's copy in its gated layout). PDSERVE_QUANT_COPY=0 turns it off.
+vdpbf16ps; a GatedLinear's copy in its gated layout; a 1-row step on one core 13.4-14.5 -> 11.4-12.1
+ms, 3 rows unchanged: the rebuild costs what the reads save). PDSERVE_QUANT_COPY=0 turns it off.
 
 GatedLinear, a gated MLP's fused gate|up projection, runs the activation in the kernel's
 epilogue (`forward_act`) where the AVX-512 path covers the whole matrix, and on the AMX GEMM
