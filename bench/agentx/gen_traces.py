@@ -2,7 +2,7 @@
 
     python -m bench.agentx.gen_traces --out DIR [--traces 6] [--seed 42] [--max-context 3584]
         [--turns 6-14] [--tool-tokens-min 48] [--tool-tokens-max 640] [--out-tokens 16-96]
-        [--subagent-prob 0.15] [--think-time 0.5-3] [--min-reuse 0.85] [--block-size 32]
+        [--subagent-prob 0.15] [--think-time 0.5-3] [--min-reuse 0.85] [--block-size 64]
 
 Writes DIR/trace_000.json ... (one trace a file, what `aiperf profile --custom-dataset-type
 weka_trace --input-file DIR` reads: every *.json there must be a trace) and DIR/manifest.jsonl
@@ -64,7 +64,7 @@ class GenConfig:
     subagent_turns: tuple[int, int] = (2, 4)
     think_time: tuple[float, float] = (0.5, 3.0)  # seconds
     min_reuse: float = 0.85  # reused-prefix share floor of every prompt after a trace's first
-    block_size: int = 32
+    block_size: int = 64  # aiperf 0.13 reads weka hash_ids as 64-token blocks whatever a trace declares
     model: str = DEFAULT_MODEL
 
     def __post_init__(self) -> None:

@@ -34,7 +34,8 @@ def markdown(summary: dict) -> str:
              f"{summary['duration_s']:.0f} s profiled per configuration, {summary['cpus']} CPUs, "
              f"{summary['created']}", "",
              "Latencies in ms (aiperf, profiled requests). Prefix hit: share of prompt tokens the server "
-             "served from its prefix caches (router /metrics, warm-up requests included).", "",
+             "served from its prefix caches (router /metrics, warm-up requests included). Throughputs: the "
+             "successful profiled requests' tokens over their span, first request to last response.", "",
              "| config | TTFT p50 | p90 | p99 | ITL p50 | p90 | p99 | E2E p50 | p90 | p99 | out tok/s | in tok/s "
              "| req/s | prefix hit | requests | errors |",
              "|---|" + "---:|" * 15]

@@ -37,9 +37,10 @@ def _add_workload(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", type=float, default=None,
                    help="seconds: sessions repeat and no request starts after it (sweep: aiperf "
                         "--benchmark-duration); default: every session once (simulate)")
-    g.add_argument("--trajectory-start", default="0.25,0.75",
-                   help="traces: each session entered at a random t* in LO,HI of its recorded duration, the calls "
-                        "before it an unreported warm-up (aiperf's AgentX scenario); 'none': from the start")
+    g.add_argument("--trajectory-start", default="0,1",
+                   help="traces: the first --concurrency sessions entered at a random t* in LO,HI of their recorded "
+                        "duration, the calls before it an unreported warm-up (aiperf's AgentX scenario sets 0,1); "
+                        "'none': from the start")
     g.add_argument("--seed", type=int, default=42, help="simulate: the t* draws")
     ap.add_argument("--ranks", type=int, required=True, help="rank budget R: colocated R and every xPyD, x+y=R")
     ap.add_argument("--ttft-ms", type=float, required=True, help="SLO: time to first token")

@@ -93,9 +93,11 @@ class Simulator:
         """`concurrency` sessions run at once. Without `duration_s` every session runs once;
         with it, sessions repeat in order (new instances: no cache carry-over) and no call
         is sent at or after duration_s past the first reported call (those in flight finish).
-        `trajectory_start` (lo, hi): each session instance draws t* uniformly in
-        [lo, hi] x its recorded duration (random.Random(seed)) and is entered there
-        (`entered_at`: one unreported warm-up call, then the calls from t*); the first
+        `trajectory_start` (lo, hi): each of the first `concurrency` session instances draws t*
+        uniformly in [lo, hi] x its recorded duration (random.Random(seed)) and is entered there
+        (`entered_at`: one unreported warm-up call, then the calls from t*); later instances
+        start at their first call (aiperf recycles a finished lane into a fresh session from
+        turn 0: 113 simulated against 141 measured requests in 120 s before); the first
         `concurrency` sessions' reported calls wait until all of them are past their
         warm-up (aiperf aligns them at t*), and the duration counts from then.
         `cpu_cores`: the ranks share that many cores: while n ranks of `costs.threads` threads
@@ -152,7 +154,7 @@ class Simulator:
         self._next_session += 1
         s = self.sessions[i % len(self.sessions)]
         items = s.items
-        if self.trajectory_start is not None:
+        if self.trajectory_start is not None and i < self.concurrency:  # a recycled lane starts at turn 0
             items = entered_at(items, self._rng.uniform(*self.trajectory_start) * s.recorded_end())
         self._run_chain((next(self._instances), 0.0), items, 0, self._start_session)
 

@@ -112,6 +112,7 @@ def run_sweep(args) -> dict[str, dict]:
         rows = {}
         for run in args.from_run:
             rows.update(read_run(run, args.ttft_ms, args.itl_ms))
+            _take_duration(args, run)
         return rows
     if not args.workload:
         raise SystemExit("sweep replays a weka_trace directory (--workload); agentx_compare has no synthetic mode")
@@ -126,4 +127,14 @@ def run_sweep(args) -> dict[str, dict]:
     print("[sweep] " + " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
     print(f"[sweep] run directory: {out}", file=sys.stderr)
+    _take_duration(args, out)
     return read_run(out, args.ttft_ms, args.itl_ms)
+
+
+def _take_duration(args, run_dir: str | Path) -> None:
+    """Without --duration the simulated comparison (--compare-sim) replays what the run
+    profiled: its duration (every session once would compare another workload)."""
+    if args.duration is None:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        if summary.get("duration_s"):
+            args.duration = float(summary["duration_s"])

@@ -14,9 +14,10 @@ aiperf/dataset/loader/weka_trace.py):
   * hash_ids name the prompt's blocks of `block_size` tokens, scoped to the trace
     (hash_id_scope "local"): equal ids within a trace are a shared prefix, never across
     traces (aiperf also puts a per-session `[rid:...]` marker at the start of the prompt).
-AgentX's trajectory start (aiperf --scenario inferencex-agentx-mvp: each trajectory entered
-at a random t* in [0.25, 0.75] of its recorded duration; the last call before t* is sent
-with one output token as an unprofiled warm-up, earlier ones not at all) is the simulator's
+AgentX's trajectory start (aiperf --scenario inferencex-agentx-mvp: each of the first
+trajectories entered at a random t* in [0, 1] of its recorded duration; the last call before
+t* is sent with one output token as an unprofiled warm-up, earlier ones not at all; a
+finished lane recycles into a fresh session from turn 0) is the simulator's
 `trajectory_start` (`entered_at` below), from each Call's `t`.
 """
 from __future__ import annotations

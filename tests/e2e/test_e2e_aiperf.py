@@ -91,8 +91,10 @@ def test_agentx_replay_completes_every_request(aiperf, system, traces, tmp_path)
             req = by_trace[meta["source_trace_id"]]["requests"][meta["source_outer_idx"]]
             assert m["output_sequence_length"]["value"] == req["out"]  # max_tokens from the trace, ignore_eos
             # aiperf sends text it decoded from trace-sized token blocks; the server re-tokenizes it
-            # inside the chat template (+ the [rid:...] marker): about the trace's size, a bit more.
-            assert 0.9 * req["in"] <= m["input_sequence_length"]["value"] <= 1.5 * req["in"] + 32
+            # inside the chat template (+ the [rid:...] marker): about the trace's size, a bit more
+            # (3-5% on the default set). Every turn, not only the first: with blocks of another
+            # size than aiperf's (AIPERF_WEKA_BLOCK) later prompts stopped growing.
+            assert 0.95 * req["in"] <= m["input_sequence_length"]["value"] <= 1.15 * req["in"] + 32
             checked += 1
     assert checked >= 1
     warmup = list(aiperf_client.load_records(tmp_path, phase="warmup"))

@@ -76,3 +76,38 @@ def test_markdown_has_a_row_per_config_and_names_dominant_phases():
     assert "| colocated-2 | 120 | 300 | 900 | 40 | 60 | 90 | 2000 | 4000 | 6000 | 55.5 | 2100 | 0.900 | 80.0% | 42 | 0 |" in md
     assert "| 1P1D | - |" in md and "**1P1D failed**: boom" in md
     assert "prefill (97%)" in md and "decode (98%, 53.3 ms/token)" in md
+
+
+def _rec(start_s: float, end_s: float, out: int, inp: int, error: bool = False, phase: str = "profiling") -> dict:
+    rec = {"metadata": {"benchmark_phase": phase, "request_start_ns": int(start_s * 1e9),
+                        "request_end_ns": int(end_s * 1e9)},
+           "metrics": {} if error else {"output_sequence_length": {"value": out},
+                                        "input_sequence_length": {"value": inp}}}
+    if error:
+        rec["error"] = {"code": 500}
+    return rec
+
+
+def test_load_result_takes_throughputs_over_the_profiled_span(tmp_path):
+    """aiperf's own throughputs divide by its phase window (here 40 s: a grace period at the
+    end); the report's are the successful requests' tokens over their span, 10 s -> 20 s."""
+    import json
+
+    from bench.agentx import aiperf_client
+    recs = [_rec(5.0, 6.0, 1, 1, phase="warmup"), _rec(10.0, 12.0, 30, 300), _rec(11.0, 20.0, 50, 500),
+            _rec(15.0, 16.0, 0, 0, error=True)]
+    (tmp_path / aiperf_client.RECORDS).write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    summary = {"output_token_throughput": {"avg": 2.0}, "input_token_throughput": {"avg": 20.0},
+               "request_throughput": {"avg": 0.05}, "benchmark_duration": {"avg": 40.0},
+               "request_count": {"avg": 3}, "time_to_first_token": {"p50": 1.0, "avg": 1.0}}
+    (tmp_path / aiperf_client.SUMMARY).write_text(json.dumps(summary))
+    r = aiperf_client.load_result(tmp_path)
+    assert r.duration_s == pytest.approx(10.0)
+    assert r.output_tps == pytest.approx(8.0) and r.input_tps == pytest.approx(80.0)
+    assert r.request_throughput == pytest.approx(0.2)
+    assert r.requests == 3 and r.errors == 1
+    # records without timestamps: aiperf's numbers
+    (tmp_path / aiperf_client.RECORDS).write_text(json.dumps({"metadata": {"benchmark_phase": "profiling"},
+                                                              "metrics": {}}) + "\n")
+    r = aiperf_client.load_result(tmp_path)
+    assert (r.output_tps, r.input_tps, r.request_throughput, r.duration_s) == (2.0, 20.0, 0.05, 40.0)

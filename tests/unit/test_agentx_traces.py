@@ -124,3 +124,14 @@ def test_committed_default_set_is_what_the_generator_writes(tmp_path):
     assert names == sorted(p.name for p in tmp_path.glob("trace_*.json")) and len(names) == 6
     for name in names:
         assert (committed / name).read_bytes() == (tmp_path / name).read_bytes()
+
+
+def test_agentx_cmd_takes_only_the_block_size_aiperf_reads(tmp_path):
+    """aiperf 0.13 reads weka hash_ids as 64-token blocks whatever the trace says: the default
+    set is written at that size, and a replay of any other is refused before aiperf starts."""
+    from bench.agentx import aiperf_client
+    committed = ROOT / "bench" / "traces" / "agentx_default"
+    assert aiperf_client.trace_block_size(committed) == aiperf_client.AIPERF_WEKA_BLOCK == GenConfig().block_size
+    main(["--out", str(tmp_path), "--traces", "1", "--seed", "3", "--block-size", "32"])
+    with pytest.raises(ValueError, match="64-token blocks"):
+        aiperf_client.agentx_cmd("http://127.0.0.1:1", "m", tmp_path, tmp_path, tmp_path / "a", 1, 1.0)

@@ -76,3 +76,20 @@ def test_read_run_goodput_and_phases(tmp_path):
                                       ("colo4", "colocated-4"), ("1P1D", "1P1D"), ("pd-2p1d", "2P1D")])
 def test_split_names_from_compare_runs(raw, name):
     assert split_name(raw) == name
+
+
+def test_from_run_without_duration_simulates_the_runs_duration(tmp_path):
+    """--compare-sim replays what the run profiled: its duration_s when --duration is not given
+    (every session once would be another workload); an explicit --duration stays."""
+    from argparse import Namespace
+
+    from bench.pdtune.sweep import run_sweep
+    write_jsonl(tmp_path / "c.jsonl", ROWS)
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"schema": 1, "duration_s": 120.0, "configs": [{"name": "colocated-2", "ok": True,
+                                                         "records": str(tmp_path / "c.jsonl"), "server": {}}]}))
+    args = Namespace(from_run=[str(tmp_path)], ttft_ms=500, itl_ms=120, duration=None)
+    assert set(run_sweep(args)) == {"colocated-2"} and args.duration == 120.0
+    args.duration = 30.0
+    run_sweep(args)
+    assert args.duration == 30.0
