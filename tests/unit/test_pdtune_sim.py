@@ -241,3 +241,13 @@ def test_weka_trace_directory_loads_gaps_and_subagents(tmp_path):
     assert fork.chains[0][0].delay_s == 0.5  # relative child t: spawned at 3.0, sent at 3.5
     assert (last.output_tokens, last.delay_s) == (1, 1.0)  # out 0 -> 1; 6.0 - (3.0 + 2.0)
     assert s.num_calls() == 3
+
+
+def test_a_recycled_lane_starts_its_session_at_turn_0():
+    # aiperf recycles a finished lane into a fresh session from turn 0: only the first instance
+    # is entered at t* (warm-up, then the calls of 192 and 256 tokens); the next one sends
+    # every call from the first (64, 128, ...), with no warm-up call.
+    calls = tuple(Call(64 * (k + 1), 4, tuple(range(k + 1)), 64, 0.0, 10.0 * k) for k in range(4))
+    res = simulate(Split(colocated=1), Fixed(), [Session("t", calls)], concurrency=1, duration_s=40.0,
+                   trajectory_start=(0.5, 0.5))
+    assert [r.input_tokens for r in res][:4] == [192, 256, 64, 128]
