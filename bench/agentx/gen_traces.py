@@ -40,8 +40,11 @@ import argparse
 import json
 import math
 import random
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from bench.agentx.aiperf_client import AIPERF_WEKA_BLOCK
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MANIFEST = "manifest.jsonl"  # not *.json: aiperf reads every *.json in the directory as a trace
@@ -64,7 +67,7 @@ class GenConfig:
     subagent_turns: tuple[int, int] = (2, 4)
     think_time: tuple[float, float] = (0.5, 3.0)  # seconds
     min_reuse: float = 0.85  # reused-prefix share floor of every prompt after a trace's first
-    block_size: int = 64  # aiperf 0.13 reads weka hash_ids as 64-token blocks whatever a trace declares
+    block_size: int = AIPERF_WEKA_BLOCK  # what aiperf reads a weka hash_id as, whatever a trace declares
     model: str = DEFAULT_MODEL
 
     def __post_init__(self) -> None:
@@ -277,6 +280,10 @@ def main(argv: list[str] | None = None) -> None:
     a = vars(ap.parse_args(argv))
     out_dir = a.pop("out")
     cfg = GenConfig(**a)
+    if cfg.block_size != AIPERF_WEKA_BLOCK:
+        print(f"warning: --block-size {cfg.block_size}: aiperf's weka_trace loader reads hash_ids as "
+              f"{AIPERF_WEKA_BLOCK}-token blocks, so it will not replay these prompts at their sizes "
+              "(agentx_compare.sh refuses them)", file=sys.stderr)
     paths = write(cfg, out_dir)
     manifest = json.loads((out_dir / MANIFEST).read_text())
     n_req = sum(t["requests"] for t in manifest["traces"].values())
