@@ -31,6 +31,9 @@ class RankConfig:
                               "rank then runs steps of at most 1024 rows on the threads of idle ranks too "
                               "(the launcher creates it; see decode/core_board.py)")
     core_slot: int = opt(0, "this rank's slot on --core-board")
+    cpus: str = opt("", "pin every thread of this rank to these cpus (comma-separated; the launcher gives ranks "
+                        "disjoint cores where their threads fit the host); while it borrows idle ranks' cores "
+                        "its threads may run on the whole cpuset it started with")
     lend_all: bool = opt(False, "with --core-board: larger steps borrow idle ranks' threads too (oneDNN's "
                                 "GEMM: their bits then depend on the thread count)")
 
@@ -43,12 +46,18 @@ class RankConfig:
             raise ValueError("router_addr is required (the router prints it at start)")
         if not self.host or ":" in self.host or "/" in self.host:
             raise ValueError(f"host must be a plain IPv4 address or host name, got {self.host!r}")
+        if self.cpus and not all(c.strip().isdigit() for c in self.cpus.split(",")):
+            raise ValueError(f"cpus must be a comma-separated list of cpu numbers, got {self.cpus!r}")
         if self.router_timeout_s <= 0 or self.connect_timeout_s <= 0 or self.hello_interval_s <= 0:
             raise ValueError("timeouts and intervals must be > 0")
 
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
+
+    @property
+    def cpu_list(self) -> list[int]:
+        return [int(c) for c in self.cpus.split(",")] if self.cpus else []
 
     @property
     def secret(self) -> str:
