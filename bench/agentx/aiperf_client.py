@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -75,15 +76,16 @@ def trace_block_size(trace_dir: Path) -> int:
 
 
 def agentx_cmd(url: str, model: str, tokenizer: Path, trace_dir: Path, artifact_dir: Path,
-               concurrency: int, duration_s: float) -> list[str]:
-    """`aiperf profile` for the AgentX replay of `trace_dir` for `duration_s` (profiled phase).
-    ValueError for traces whose block size aiperf would misread (AIPERF_WEKA_BLOCK)."""
+               concurrency: int, duration_s: float, seed: int = 42) -> list[str]:
+    """`aiperf profile` for the AgentX replay of `trace_dir` for `duration_s` (profiled phase;
+    `seed`: aiperf's --random-seed). ValueError for traces whose block size aiperf would
+    misread (AIPERF_WEKA_BLOCK)."""
     bs = trace_block_size(trace_dir)
     if bs != AIPERF_WEKA_BLOCK:
         raise ValueError(f"{trace_dir}: block_size {bs}; aiperf's weka_trace loader reads hash_ids as "
                          f"{AIPERF_WEKA_BLOCK}-token blocks (regenerate with gen_traces --block-size "
                          f"{AIPERF_WEKA_BLOCK})")
-    return [str(aiperf_path()), "profile", *_common(url, model, tokenizer, artifact_dir, concurrency),
+    return [str(aiperf_path()), "profile", *_common(url, model, tokenizer, artifact_dir, concurrency, seed),
             "--scenario", "inferencex-agentx-mvp", "--unsafe-override", "--use-server-token-count",
             "--custom-dataset-type", "weka_trace", "--input-file", str(trace_dir),
             "--benchmark-duration", str(duration_s)]
@@ -117,7 +119,9 @@ def synthetic_cmd(url: str, model: str, tokenizer: Path, artifact_dir: Path, con
 
 def run(cmd: list[str], artifact_dir: Path, timeout_s: float) -> int:
     """Run aiperf with its console output in `artifact_dir`/aiperf.log; returns its exit code
-    (124 when it ran past `timeout_s` and was killed)."""
+    (124 when it ran past `timeout_s` and was killed). aiperf runs in its own process group
+    (a terminal's Ctrl-C does not reach it), so an exception here (KeyboardInterrupt, the
+    SystemExit of a SIGTERM handler) kills that group before it propagates."""
     artifact_dir.mkdir(parents=True, exist_ok=True)
     with open(artifact_dir / "aiperf.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -125,11 +129,19 @@ def run(cmd: list[str], artifact_dir: Path, timeout_s: float) -> int:
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            import os
-            import signal
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _kill_group(proc)
             return 124
+        except BaseException:
+            _kill_group(proc)
+            raise
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 @dataclass(frozen=True)

@@ -43,18 +43,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import httpx
-
-from bench.agentx import aiperf_client, report, server_metrics
+from bench.agentx import aiperf_client, measure, process_group, report
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACES = ROOT / "bench" / "traces" / "agentx_default"
@@ -103,17 +98,11 @@ def tokenizer_dir(server_python: str, model: str) -> Path:
     return Path(out.strip().splitlines()[-1].split(": ", 1)[1])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class System:
     """One pd_server.launch process group on 127.0.0.1."""
 
     def __init__(self, server_python: str, cfg: SystemConfig, common: list[str], run_dir: Path) -> None:
-        self.port = _free_port()
+        self.port = process_group.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         run_dir.mkdir(parents=True, exist_ok=True)
         cmd = [server_python, "-m", "pd_server.launch", *cfg.launch_args(), "--port", str(self.port),
@@ -124,52 +113,11 @@ class System:
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"launcher exited with {self.proc.returncode} during start-up")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"not healthy within {timeout_s:.0f} s")
+        process_group.wait_healthy(self.url, self.proc, timeout_s)
 
     def stop(self, timeout_s: float) -> bool:
         """SIGTERM the group, SIGKILL what is left after `timeout_s`. True if it went cleanly."""
-        pgid, clean = self.proc.pid, True
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            return True
-        deadline = time.monotonic() + timeout_s
-        while _group_alive(pgid):
-            self.proc.poll()
-            if time.monotonic() > deadline:
-                clean = False
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                break
-            time.sleep(0.2)
-        self.proc.wait(timeout=10)
-        for _ in range(50):  # SIGKILLed children may take a moment to be reaped by init
-            if not _group_alive(pgid):
-                break
-            time.sleep(0.1)
-        if _group_alive(pgid):
-            raise RuntimeError(f"processes of group {pgid} survived SIGKILL")
-        return clean
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+        return process_group.stop(self.proc, timeout_s)
 
 
 def run_config(cfg: SystemConfig, args: argparse.Namespace, tokenizer: Path, out: Path) -> dict:
@@ -186,19 +134,14 @@ def run_config(cfg: SystemConfig, args: argparse.Namespace, tokenizer: Path, out
     system = System(args.server_python, cfg, common, cfg_dir / "server")
     try:
         system.wait_healthy(args.start_timeout)
-        before = server_metrics.scrape(system.url)
         cmd = aiperf_client.agentx_cmd(system.url, args.served_model_name or args.model, tokenizer,
                                        args.trace_dir, artifact_dir, args.concurrency, args.duration)
-        (cfg_dir / "aiperf_command.txt").write_text(" ".join(cmd) + "\n")
         print(f"[agentx] {cfg.name}: replaying for {args.duration:.0f} s", file=sys.stderr, flush=True)
-        rc = aiperf_client.run(cmd, artifact_dir, timeout_s=args.duration * 2 + args.aiperf_grace)
-        after = server_metrics.scrape(system.url)
-        entry["server"] = server_metrics.diff(before, after).to_json()
-        if rc != 0:
-            entry["error"] = f"aiperf exited with {rc} (see {artifact_dir / 'aiperf.log'})"
-        if (artifact_dir / aiperf_client.SUMMARY).exists():
-            entry["client"] = aiperf_client.load_result(artifact_dir).to_json()
-            entry["ok"] = rc == 0
+        m = measure.run(system.url, cmd, artifact_dir, timeout_s=args.duration * 2 + args.aiperf_grace)
+        entry["server"] = m.server.to_json() if m.server else None
+        entry["client"] = m.client.to_json() if m.client else None
+        entry["error"] = m.error or m.metrics_error
+        entry["ok"] = m.ok and m.server is not None
     except Exception as e:  # noqa: BLE001 - one failed config must not lose the others' results
         entry["error"] = f"{type(e).__name__}: {e}"
     finally:

@@ -9,6 +9,10 @@
   * completion tokens per request, to spread the phases after the first token over the
     inter-token gaps.
 
+A server without pdserve's counters but with vLLM's (`vllm:prefix_cache_queries_total` and
+`vllm:prefix_cache_hits_total`, prompt tokens looked up in and found in its prefix cache) gets
+its hit rate from those; phases stay empty.
+
 Which phase dominates: TTFT is queue + prefill_wait + prefill (+ the router's own time);
 the mean ITL of a request is (its time after the first token) / (output tokens - 1), and
 that time is stage + admission_wait + transfer + first_decode + decode, so each of those
@@ -106,7 +110,9 @@ def diff(before: Samples, after: Samples) -> ServerDelta:
         count = d("pdserve_phase_seconds_count", phase=p)
         if count > 0:
             means[p] = d("pdserve_phase_seconds_sum", phase=p) / count
-    return ServerDelta(prompt_tokens=d("pdserve_prompt_tokens_total"),
-                       cached_tokens=d("pdserve_cached_prompt_tokens_total"),
+    prompt, cached = d("pdserve_prompt_tokens_total"), d("pdserve_cached_prompt_tokens_total")
+    if not any(n == "pdserve_prompt_tokens_total" for n, _ in after):
+        prompt, cached = d("vllm:prefix_cache_queries_total"), d("vllm:prefix_cache_hits_total")
+    return ServerDelta(prompt_tokens=prompt, cached_tokens=cached,
                        completion_tokens=d("pdserve_completion_tokens_total"),
                        finished=d("pdserve_phase_seconds_count", phase="decode"), phase_mean_s=means)

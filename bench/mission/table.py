@@ -1,0 +1,140 @@
+"""The mission report: per-run results -> medians per (configuration, load) -> one markdown table.
+
+    rows = aggregate(runs)                  # runs: the run dicts bench/mission/cli.py writes
+    text = markdown(summary)                # summary: {"runs": [...], "configs": [...], ...}
+
+A run is one start of one configuration in one repeat: {"config", "repeat", "startup_s" (float
+| None), "error", "loads": [{"load": "c8" | "agentx", "client": aiperf_client.Result.to_json()
+| None, "server": ServerDelta.to_json() | None, ...}]}. Each (configuration, load) row takes
+the median of every metric over the repeats that measured it (requests and errors: their
+sum); the start-up time is the configuration's median over its starts. Ratios divide a row's
+median by the reference configuration's at the same load (output tok/s: above 1 is more
+throughput; TTFT and ITL: below 1 is faster).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+# metric -> (path into a load's dict, table heading, format)
+METRICS = {
+    "out_tok_s": (("client", "output_tok_s"), "out tok/s", "{:.1f}"),
+    "ttft_p50": (("client", "ttft_ms", "p50"), "TTFT p50 ms", "{:.0f}"),
+    "ttft_p99": (("client", "ttft_ms", "p99"), "TTFT p99 ms", "{:.0f}"),
+    "itl_p50": (("client", "itl_ms", "p50"), "ITL p50 ms", "{:.1f}"),
+    "itl_p99": (("client", "itl_ms", "p99"), "ITL p99 ms", "{:.1f}"),
+    "prefix_hit": (("server", "prefix_hit_rate"), "prefix hit", "{:.1%}"),
+}
+RATIO_METRICS = ("out_tok_s", "ttft_p50", "itl_p50")
+_RATIO_HEAD = {"out_tok_s": "tok/s", "ttft_p50": "TTFT p50", "itl_p50": "ITL p50"}
+
+
+def _get(d: dict | None, path: tuple[str, ...]) -> float | None:
+    for key in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(key)
+    return None if d is None else float(d)
+
+
+def median(values: list[float | None]) -> float | None:
+    """The median of the values that are not None; None if there are none."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def load_order(load: str) -> tuple[int, int]:
+    """Synthetic levels by concurrency ("c1" < "c8" < "c32"), then anything else (agentx)."""
+    if load.startswith("c") and load[1:].isdigit():
+        return 0, int(load[1:])
+    return 1, 0
+
+
+@dataclass
+class Row:
+    config: str
+    load: str
+    runs: int = 0  # repeats that produced client numbers for this load
+    tries: int = 0  # repeats of the configuration (failed starts included)
+    requests: int = 0
+    errors: int = 0
+    startup_s: float | None = None
+    medians: dict[str, float | None] = field(default_factory=dict)
+
+
+def aggregate(runs: list[dict], configs: list[str] | None = None) -> list[Row]:
+    """One Row per (configuration, load) seen in `runs`, configurations in `configs` order
+    (else first seen), loads c1 < c8 < ... < agentx."""
+    order = list(configs or [])
+    for r in runs:
+        if r["config"] not in order:
+            order.append(r["config"])
+    rows = []
+    for name in order:
+        mine = [r for r in runs if r["config"] == name]
+        startup = median([r.get("startup_s") for r in mine])
+        loads = sorted({ld["load"] for r in mine for ld in r.get("loads", [])}, key=load_order)
+        for load in loads:
+            done = [ld for r in mine for ld in r.get("loads", []) if ld["load"] == load and ld.get("client")]
+            row = Row(name, load, runs=len(done), tries=len(mine), startup_s=startup,
+                      requests=sum(int(ld["client"].get("requests") or 0) for ld in done),
+                      errors=sum(int(ld["client"].get("errors") or 0) for ld in done))
+            row.medians = {m: median([_get(ld, path) for ld in done]) for m, (path, _, _) in METRICS.items()}
+            rows.append(row)
+    return rows
+
+
+def ratio(row: Row, ref: Row | None, metric: str) -> float | None:
+    if ref is None or row is ref:
+        return None
+    a, b = row.medians.get(metric), ref.medians.get(metric)
+    return None if a is None or not b else a / b
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def table(rows: list[Row], refs: list[str]) -> str:
+    """The markdown table; a ratio column group per name in `refs` that has rows."""
+    by_key = {(r.config, r.load): r for r in rows}
+    refs = [ref for ref in refs if any(r.config == ref for r in rows)]
+    head = ["config", "load", "start s", *(h for _, h, _ in METRICS.values()), "requests", "errors", "runs"]
+    head += [f"{_RATIO_HEAD[m]} / {ref}" for ref in refs for m in RATIO_METRICS]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for r in rows:
+        cells = [r.config, r.load, _f(r.startup_s, "{:.1f}"),
+                 *(_f(r.medians.get(m), fmt) for m, (_, _, fmt) in METRICS.items()),
+                 str(r.requests), str(r.errors), f"{r.runs}/{r.tries}"]
+        for ref in refs:
+            cells += [_f(ratio(r, by_key.get((ref, r.load)), m), "{:.2f}x") for m in RATIO_METRICS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(summary: dict) -> str:
+    """report.md: the settings, the table, then every failure and skipped configuration."""
+    runs = summary.get("runs", [])
+    rows = aggregate(runs, summary.get("configs"))
+    s = summary.get("settings", {})
+    lines = [f"# Mission benchmark: {summary.get('model', '?')}", "",
+             f"{summary.get('created', '')}, {summary.get('cpus', '?')} CPUs, {s.get('repeats', 1)} repeat(s), "
+             f"configurations interleaved per repeat. Synthetic: aiperf, {s.get('isl', '?')} in / "
+             f"{s.get('osl', '?')} out (ignore_eos), levels {s.get('levels', '-')}; AgentX replay: "
+             f"`{s.get('trace_dir', '-')}`, concurrency {s.get('agentx_concurrency', '-')}, "
+             f"{s.get('agentx_duration_s', '-')} s profiled.", "",
+             "Medians over the repeats (requests and errors: summed; runs: repeats with numbers / "
+             "starts). start s: seconds from the start command to /health ready. Prefix hit: share "
+             "of prompt tokens served from the server's prefix caches (its /metrics around the "
+             "load; '-' where it exposes none). X / REF: this row's median over REF's at the same "
+             "load (tok/s above 1 and TTFT/ITL below 1 are better).", "",
+             table(rows, summary.get("ratio_to", [])), ""]
+    for r in runs:
+        if r.get("error"):
+            lines.append(f"- **{r['config']} repeat {r['repeat']}**: {r['error'].splitlines()[0]}")
+        for ld in r.get("loads", []):
+            if ld.get("error"):
+                lines.append(f"- {r['config']} repeat {r['repeat']} {ld['load']}: {ld['error']}")
+    for name, why in (summary.get("skipped") or {}).items():
+        lines.append(f"- {name} skipped: {why}")
+    return "\n".join(lines).rstrip() + "\n"
