@@ -293,6 +293,8 @@ def test_steps_give_the_same_bits_on_lent_threads(threads):
     from engine.sampling_params import SamplingParams
 
     limit = invariant_rows()
+    if not limit:
+        pytest.skip("no thread-count invariant kernel on this CPU (AVX2 only): nothing is lent by default")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (1500, 300, 1100, 530)]
     runs, lent_steps = [], 0
