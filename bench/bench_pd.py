@@ -181,7 +181,7 @@ def main() -> None:
     systems = [System("colocated", ["--colocated", "1"])]
     for k in args.transfer:
         pd = ["--prefill", "1", "--decode", "1", "--transfer", k]
-        systems.append(System(f"1P1D-{k}", pd))
+        systems.append(System(f"1P1D-{k}", [*pd, "--disagg", "always"]))  # every prompt handed off
         if args.compare_root is not None:
             systems.append(System(f"1P1D-{k}@cmp", pd, args.compare_root.resolve()))
     try:

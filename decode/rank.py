@@ -15,10 +15,12 @@ Request life cycle on a colocated rank:
   5. Abort (client gone) calls engine.abort(): idempotent, frees pages at once, sends nothing.
   6. An engine exception fails every request on the rank with RequestError(500), aborts
      them (pages freed) and the rank keeps serving.
-On a decode rank (PD mode) requests arrive as Handoffs from prefill ranks instead of Generate:
-handoff_receiver.py queues them, pulls their KV when the engine has room and commits them (its
-docstring has the steps); then steps 3-6 apply, the prefill rank's phase times and the pull's
-carried into the last event. The prefill role is prefill/rank.py.
+On a decode rank (PD mode) requests arrive as Handoffs from prefill ranks: handoff_receiver.py
+queues them, pulls their KV when the engine has room and commits them (its docstring has the
+steps); then steps 3-6 apply, the prefill rank's phase times and the pull's carried into the
+last event. A Generate (decode_rank -1: the router's --disagg placed the prompt here) runs steps
+1-6 as on a colocated rank, its chunks in the same steps as the handed-off decodes.
+The prefill role is prefill/rank.py.
 The process exits when the router rejects it, asks it to, or goes silent (rank_link.py),
 and on SIGTERM/SIGINT: nothing is left behind by a dead router. With --rejoin it drops every
 request instead when the router goes away (RouterLost) and joins the next router as a fresh rank.
@@ -232,9 +234,8 @@ class RankLoop:
 
 
 class DecodeLoop(RankLoop):
-    """Decode-only: requests arrive as Handoffs, their KV pulled by a HandoffReceiver."""
-
-    ships_cache_events = False  # never routed by prompt
+    """Decode rank: requests arrive as Handoffs, their KV pulled by a HandoffReceiver, or as a
+    Generate the rank prefills itself (conditional disaggregation, pd_server/disagg.py)."""
 
     def __init__(self, engine, backend, name: str, deadline_s: float, delay_pull_s: float = 0.0) -> None:
         from decode.handoff_receiver import HandoffReceiver
@@ -268,7 +269,13 @@ class DecodeLoop(RankLoop):
         elif isinstance(msg, Peers):
             r.on_live_prefill({p.name for p in msg.peers if p.role == "prefill"})
         elif isinstance(msg, Generate):
-            self.link.send(RequestError(msg.request_id, 500, "this is a decode-only rank: it takes handoffs"))
+            if msg.decode_rank >= 0:
+                self.link.send(RequestError(msg.request_id, 500, "a decode rank prefills a Generate itself: it "
+                                                                 "hands nothing off (decode_rank must be -1)"))
+            elif r.holds(msg.request_id):
+                self.link.send(RequestError(msg.request_id, 500, "request id already on this decode rank"))
+            else:
+                self._generate(msg)
 
     def _drop_all(self, why: str) -> None:
         self.receiver.drop_all(why)
@@ -292,14 +299,32 @@ class DecodeLoop(RankLoop):
 
 
 def load_engine(engine_cfg, warmup: bool):
+    """The rank's engine, loaded (and warmed up); logs the time of each load phase."""
+    t = time.perf_counter()
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
+    imports = time.perf_counter() - t
     engine = LLMEngine(engine_cfg)
+    phases = {"imports": imports, **engine.load_phases}
     if warmup:
         # First steps' one-off costs (kernel JIT, allocator growth; a sampled row) before Hello.
+        t = time.perf_counter()
         engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=1.0, seed=0))
+        phases["warmup"] = time.perf_counter() - t
     gc.freeze()  # what is loaded (~350k objects) out of the cyclic GC's passes: a full one took ~100 ms
+    log.info("load phases: %s (%.1fs in all, %.1fs since the process started)",
+             ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), sum(phases.values()), _process_age_s())
     return engine
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (from /proc; 0 where that cannot be read)."""
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rpartition(")")[2].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def make_transfer(handoff: HandoffConfig, cfg: RankConfig):
@@ -314,7 +339,7 @@ def make_transfer(handoff: HandoffConfig, cfg: RankConfig):
 def hello_for(cfg: RankConfig, engine_cfg, engine, peer_addr: str = "") -> Hello:
     from engine.model_cache import served_name
 
-    hc = engine.hicache if cfg.role != "decode" else None
+    hc = engine.hicache  # a decode rank's holds the prompts it prefilled itself (--disagg)
     return Hello(PROTOCOL_VERSION, cfg.role, cfg.index, os.getpid(), served_name(engine_cfg.model),
                  engine.max_model_len, engine.model_cfg.vocab_size, engine_cfg.page_size, engine.pool.num_pages,
                  peer_addr, hc.index.root if hc else b"", hc.has_swa if hc else False)
@@ -344,6 +369,12 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
         log.warning("fault injected (%s): never saying Hello", FAULT_ENV)
         while not link.stopped.wait(0.2):
             pass
+    from decode.core_board import host_cpus, pin_threads
+
+    host = host_cpus()  # the launcher's cpuset, before this rank narrows to its own cores
+    if cfg.cpu_list:
+        pin_threads(cfg.cpu_list)
+        log.info("pinned to cpu(s) %s of %s", cfg.cpus, ",".join(map(str, host)))
     if cfg.core_board:
         import torch
 
@@ -351,12 +382,13 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
 
         # Only the bf16 kernels are thread-count invariant: an fp32 model lends nothing by default.
         loop.board = CoreBoard(cfg.core_board, cfg.core_slot, torch.get_num_threads(), lend_all=cfg.lend_all,
-                               bf16=engine is None or engine.cfg.dtype == "bfloat16")
+                               bf16=engine is None or engine.cfg.dtype == "bfloat16", home=cfg.cpu_list,
+                               host=host)
         if engine is not None:
             engine.runner.model.between_layers = loop.board.recheck
         closers = (*closers, loop.board.close)
-        log.info("core board %s slot %d: %d own thread(s), up to %d with idle peers for %s", cfg.core_board,
-                 cfg.core_slot, loop.board.own, loop.board.max,
+        log.info("core board %s slot %d: %d own thread(s), up to %d on cores no other rank holds, for %s",
+                 cfg.core_board, cfg.core_slot, loop.board.own, loop.board.max,
                  "every step" if cfg.lend_all or loop.board.invariant_rows == sys.maxsize
                  else f"steps of at most {loop.board.invariant_rows} rows")
     link.start()

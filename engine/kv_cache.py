@@ -54,8 +54,14 @@ class KVPool:
         self.window = model.sliding_window or 0
         kvh, hd = model.num_kv_heads, model.head_dim
         # On the CPU in huge pages where the kernel gives them (engine/hugepages.py): a decode step
-        # reads its sequences' pages scattered over the pool.
-        zeros = hugepages.zeros if torch.device(device).type == "cpu" else functools.partial(torch.zeros, device=device)
+        # reads its sequences' pages scattered over the pool. Not faulted in at load: a page's
+        # first write does it, so only pages ever used cost anything. Faulting in the whole 1 GB
+        # default pool took 2.7-6.3 s of each rank's start-up on this 2-core VM, whose memory
+        # the host backs on first touch (~4 ms a MB; memory a process freed recently: ~0.2 ms),
+        # 4 GB for a 2P2D start; a 542-token prompt's first write to 12 MB of fresh pages costs
+        # at most ~50 ms once, and freed pages are handed out again first.
+        zeros = (functools.partial(hugepages.zeros, prefault=False) if torch.device(device).type == "cpu"
+                 else functools.partial(torch.zeros, device=device))
         self.full = zeros((num_pages, len(self.full_layers), 2, page_size, kvh, hd), dtype=dtype)
         self.num_slots = num_slots if self.swa_layers else 0
         self.swa = zeros((self.num_slots, len(self.swa_layers), 2, self.window, kvh, hd), dtype=dtype)

@@ -19,7 +19,9 @@ read straight into device pages) reserve_kv() -> transfer into its pages -> add_
 """
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +35,7 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, Status
+from engine.text_decoder import BackendDecoder, load_decoder
 from hicache.cache import HostCache
 
 log = logging.getLogger(__name__)
@@ -87,13 +90,17 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
+        t0 = time.perf_counter()
         self.model_dir = cached_model_dir(cfg.model)
         model_cfg = ModelConfig.from_hf_dir(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        t1 = time.perf_counter()
+        # The detokenizer's decode, without transformers where its state is saved (engine/text_decoder.py).
+        self.decoder = load_decoder(self.model_dir)
+        t2 = time.perf_counter()
         self.runner = ModelRunner(cfg, model_cfg, self.model_dir)
+        # Seconds of each load phase, in order (decode/rank.py load_engine logs them).
+        self.load_phases = {"config": t1 - t0, "tokenizer": t2 - t1, **self.runner.load_phases}
         self.model_cfg = self.runner.model_cfg
         self.pool = self.runner.pool
         self.max_model_len = self.runner.max_model_len
@@ -113,9 +120,21 @@ class LLMEngine:
         self.export_kv: Callable[[Sequence, KVPool], object] | None = None
         self.hicache: HostCache | None = None
         if cfg.hicache_size_gb > 0:
+            t = time.perf_counter()
             self.hicache = HostCache.for_engine(cfg, self.model_cfg, self.max_model_len)
+            self.load_phases["hicache"] = time.perf_counter() - t
         # The last step's rows not yet written through to the host cache (flush_write_through).
         self._unstored: list[tuple[Sequence, int]] = []
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The model's transformers tokenizer (encode, chat template), loaded on first use: the
+        engine itself only decodes, with `decoder`."""
+        if not isinstance(self.decoder, BackendDecoder):
+            return self.decoder  # load_decoder loaded it
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.model_dir))
 
     # ---- admission -----------------------------------------------------------
     def _validate(self, request_id: str, prompt_ids: list[int]) -> None:
@@ -199,7 +218,7 @@ class LLMEngine:
     def _track(self, seq: Sequence, running: bool = False) -> None:
         p = seq.params
         self._detok[seq.request_id] = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_ids, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+            self.decoder, seq.prompt_ids, stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
         self.seqs[seq.request_id] = seq
         if running:
             self.scheduler.add_running(seq)

@@ -40,18 +40,39 @@ class ModelRunner:
             raise ValueError(f"kv_cache_gb={cfg.kv_cache_gb} holds no page of {page_bytes} bytes")
         self.max_model_len = min(max_len, num_pages * cfg.page_size)
         self.model_cfg = dataclasses.replace(model_cfg, max_position=self.max_model_len + 1)
-        t0 = time.perf_counter()
+        # Seconds of each load phase, in order (the rank logs them with its warm-up's).
+        self.load_phases: dict[str, float] = {}
+        t0 = t = time.perf_counter()
         self.model = build_model(self.model_cfg, cfg.torch_dtype, self.device)
-        self.model.load_weights(WeightLoader(model_dir))
+        t = self._phase("build", t)
+
+        def load() -> None:  # adds the "weights", "quant" and "pack" phases
+            self.model.load_weights(WeightLoader(model_dir), self.load_phases)
+
         self.shared_weights = None
         if cfg.shared_weights_dir and self.device.type == "cpu":
-            from engine.shared_weights import share_weights
-            self.shared_weights = share_weights(self.model, cfg.shared_weights_dir, f"{model_dir}|{cfg.dtype}")
+            from engine.shared_weights import share_weights, weights_identity
+
+            identity = weights_identity(model_dir, cfg.dtype)  # hashes the checkpoint
+            t = self._phase("key", t)
+            # Loads the model where it is the first rank here (or cannot use the file), else maps it.
+            self.shared_weights = share_weights(self.model, cfg.shared_weights_dir, identity, load)
+        else:
+            load()
+        loading = sum(self.load_phases.get(k, 0.0) for k in ("weights", "quant", "pack"))
         if self.shared_weights is None and self.device.type == "cpu":
             _packed_to_huge_pages(self.model)
-        log.info("loaded %s (%s, %s) in %.1fs", model_dir, cfg.dtype, cfg.device, time.perf_counter() - t0)
+        t = self._phase("share", t)
+        self.load_phases["share"] -= loading  # (load()'s own phases)
+        log.info("loaded %s (%s, %s) in %.1fs", model_dir, cfg.dtype, cfg.device, t - t0)
         self.pool = KVPool(self.model_cfg, cfg.page_size, num_pages, cfg.max_num_seqs, cfg.torch_dtype, self.device)
         self.sampler = Sampler()
+        self._phase("kv", t)
+
+    def _phase(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.load_phases[name] = self.load_phases.get(name, 0.0) + now - since
+        return now
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], SamplerOutput | None]:

@@ -1,4 +1,4 @@
-"""One read-only copy of the weights for every rank of a host.
+"""One read-only copy of the weights for every rank of a host, loaded and packed once.
 
 Every rank of a launch holds the same weights, and the linear kernel's packed copy of them
 (513 MB for SmolLM2 in bf16 without AMX; ~480 MB with it, where the AMX GEMM's copy of the
@@ -11,29 +11,41 @@ blocks of 9 MB took 17-18 ms a pass each with private copies and 10.5 ms with on
 show in serving (c8, alternated fresh servers: within the run-to-run noise).
 
 The launcher makes a directory on tmpfs (`--shared-weights-dir`, /dev/shm/pdserve-weights-<pid>)
-and removes it when it stops. Each rank loads and packs its model as before, then calls
-`share_weights`: the first rank to get there (an flock on a lock file next to it) writes every
-parameter and packed kernel copy into one file (named by a hash of the model's identity and the
-tensors' names, dtypes and shapes; written under a temporary name and renamed, so a reader never
-sees half a file), the others map that file. Before a rank swaps its tensors for views of the
-mapping it compares them byte for byte with its own: a file that differs in any byte (another
-build of the kernels' layout, another checkpoint) is not used and the rank keeps its private copy.
+and removes it when it stops. Each rank builds its model (on the meta device) and calls
+`share_weights` with what the file's content is a function of (`weights_identity`: the bytes
+of the checkpoint's files, the dtype, the engine's and kernels' source, the torch version, the
+CPU's features and the PDSERVE_* settings, all hashed). The file is named by a hash of that
+identity. Under an flock on a lock file next to it, the first rank finds no file: it loads and
+packs its model, writes every parameter and packed kernel copy into the file (under a temporary
+name, renamed: a reader never sees half a file) and maps it. The ranks that start meanwhile wait
+on the lock instead of loading and packing at once on the same cores, then map the file without
+reading the checkpoint: the same identity means the same bytes, so a rank never maps weights
+other than those it would have made. The file's header holds the identity, every tensor's name,
+dtype, shape and offset, which module parameter and kernel copy is which tensor (tied weights
+stay one tensor) and a SHA-1 of the tensor bytes, which a reader checks before it uses them
+(0.2 s for 257 MB, against 1.2-1.6 s to load the checkpoint and 0.7 s to compare it byte for
+byte, as ranks did before): a file that differs in any byte, has another size or layout is not
+used, and that rank loads its own copy. Where the file cannot be written (tmpfs full) or opened
+the rank keeps its private copy and logs why.
 The mapping is read-only (PROT_READ): a write to a weight faults instead of changing the peers'
 weights. It is mapped at a 2 MB-aligned address and collapsed to huge pages where the kernel
-does that (engine/hugepages.py: a decode step streams all of it). Where the file cannot be
-written (tmpfs full) or opened the rank keeps its private copy and logs why.
+does that (engine/hugepages.py: a decode step streams all of it).
 """
 from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import mmap
 import os
+import platform
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +58,9 @@ log = logging.getLogger(__name__)
 
 ALIGN = 4096  # every tensor starts on its own page
 PREFIX = "pdserve-weights-"
+MAGIC = b"PDSWGT02"  # the file format; bump the digit when the layout or what the identity covers changes
+_COPIES = ("_packed", "_gemm", "_quant")  # a Linear's kernel copies
+_HIDDEN_ENV = ("SECRET", "KEY")  # PDSERVE_* settings that name no kernel path (and stay out of the file)
 
 
 @dataclass
@@ -64,9 +79,48 @@ class SharedWeights:
         return self.address <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= self.address + self.nbytes
 
 
+def weights_identity(model_dir: str | Path, dtype: str) -> str:
+    """What a CPU rank's loaded and packed weights are a function of, as one string of digests:
+    the name and SHA-1 of every file of `model_dir` (0.4 s for SmolLM2's 538 MB here), the dtype,
+    the engine's Python and kernel sources, the torch and safetensors versions, the CPU's model
+    and features (which kernel paths, so which packed layouts) and the PDSERVE_* settings (which
+    copies are made). Raises OSError where the checkpoint cannot be read."""
+    parts = [MAGIC.decode(), f"dtype {dtype}", f"torch {torch.__version__}",
+             f"safetensors {importlib.metadata.version('safetensors')}", f"code {_code_digest()}",
+             f"cpu {_cpu_digest()}", f"env {_env_digest()}"]
+    for f in sorted(Path(model_dir).iterdir()):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                parts.append(f"file {f.name} {hashlib.file_digest(fh, 'sha1').hexdigest()}")
+    return "\n".join(parts)
+
+
+@functools.cache
+def _code_digest() -> str:
+    from engine.layers.jit import CSRC
+
+    digest = hashlib.sha1()
+    root = Path(__file__).resolve().parent  # engine/
+    for f in sorted([*root.rglob("*.py"), *(p for p in CSRC.rglob("*") if p.is_file())]):
+        digest.update(str(f.relative_to(root.parent)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _cpu_digest() -> str:
+    from engine.layers.jit import cpu_id
+
+    return hashlib.sha1(f"{platform.machine()}\n{cpu_id()}".encode()).hexdigest()
+
+
+def _env_digest() -> str:
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith("PDSERVE_") and not any(h in k for h in _HIDDEN_ENV))
+    return hashlib.sha1(json.dumps(env).encode()).hexdigest()
+
+
 def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every parameter (tied ones once) and every Linear's packed copies (the
-    decode kernel's and the AMX GEMM's)."""
+    decode kernel's, the AMX GEMM's and the quant copy)."""
     from engine.layers.linear import Linear
 
     out = [(name, p) for name, p in model.named_parameters()]  # duplicates (tied) removed by torch
@@ -80,31 +134,60 @@ def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _layout(identity: str, tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list[int], int]:
-    """(file key, byte offset of each tensor, file size)."""
-    offsets, pos, manifest = [], 0, []
+def _manifest(identity: str, model: nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> dict:
+    """The file's header: the tensors' layout (offsets from the body's start), which module
+    parameter and kernel copy is which tensor, and the body's size (digest filled in by _write)."""
+    from engine.layers.linear import Linear
+
+    index = {name: i for i, (name, _) in enumerate(tensors)}
+    by_param = {id(p): index[name] for name, p in model.named_parameters()}
+    layout, pos = [], 0
     for name, t in tensors:
-        offsets.append(pos)
         nbytes = t.numel() * t.element_size()
-        manifest.append([name, str(t.dtype), list(t.shape), nbytes, pos])
+        layout.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), nbytes, pos])
         pos += -(-nbytes // ALIGN) * ALIGN
-    key = hashlib.blake2b(json.dumps([identity, manifest]).encode(), digest_size=12).hexdigest()
-    return key, offsets, pos
+    params, copies = [], []
+    for mname, mod in model.named_modules():
+        params += [[mname, pname, by_param[id(p)]] for pname, p in mod._parameters.items() if p is not None]
+        if isinstance(mod, Linear):
+            if mod._gemm is not None and mod._gemm[1] is None:
+                copies.append([mname, "_gemm", None])  # the GEMM does not run this shape: nothing to make
+            copies += [[mname, attr, index[f"{mname}.{attr}"]] for attr in _COPIES if f"{mname}.{attr}" in index]
+    return {"identity": identity, "tensors": layout, "params": params, "copies": copies, "body_bytes": pos,
+            "body_sha1": "0" * 40}
+
+
+def _header_bytes(manifest: dict) -> tuple[bytes, int]:
+    """(MAGIC, length, JSON), and where the body starts (the next ALIGN boundary)."""
+    text = json.dumps(manifest).encode()
+    head = MAGIC + len(text).to_bytes(8, "little") + text
+    return head, -(-len(head) // ALIGN) * ALIGN
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _write(path: Path, tensors: list[tuple[str, torch.Tensor]], offsets: list[int], size: int) -> bool:
-    """Write the file under a temporary name and rename it; False where it cannot be written."""
+def _write(path: Path, manifest: dict, tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    """Write the file (header, then each tensor at its offset, zero-padded) under a temporary name
+    and rename it; False where it cannot be written. Fills in manifest["body_sha1"]."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
+    _, body = _header_bytes(manifest)  # the digest's placeholder has its length: the body does not move
+    digest = hashlib.sha1()
     try:
         with open(tmp, "wb") as f:
-            for (_, t), off in zip(tensors, offsets):
-                f.seek(off)
-                f.write(memoryview(_bytes(t).numpy()))
-            f.truncate(size)
+            for (_, t), (_, _, _, nbytes, off) in zip(tensors, manifest["tensors"]):
+                data = memoryview(_bytes(t).numpy())
+                f.seek(body + off)
+                f.write(data)
+                digest.update(data)
+                digest.update(bytes(-(-nbytes // ALIGN) * ALIGN - nbytes))  # the padding, as read back
+            manifest["body_sha1"] = digest.hexdigest()
+            head, start = _header_bytes(manifest)
+            assert start == body
+            f.seek(0)
+            f.write(head)
+            f.truncate(body + manifest["body_bytes"])
         os.replace(tmp, path)  # readers see the whole file or none
         return True
     except OSError as e:
@@ -113,90 +196,157 @@ def _write(path: Path, tensors: list[tuple[str, torch.Tensor]], offsets: list[in
         return False
 
 
-def _map(path: Path, tensors, offsets: list[int], size: int) -> tuple[mmap.mmap | ctypes.Array | None, int, bool]:
-    """(read-only mapping of the file, its inode, whether this process wrote it), written first
-    where it does not exist; (None, 0, False) where it cannot be written or has another size."""
-    # One writer: ranks that start together would otherwise each write (and map) a file of their own.
-    lock = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o600)
-    created = False
+def _read_header(fd: int, size: int) -> tuple[dict, int] | None:
+    """(manifest, body offset) of an open file of `size` bytes; None where it is not one of ours
+    of that size."""
+    head = os.pread(fd, 16, 0)
+    if len(head) < 16 or head[:8] != MAGIC:
+        return None
+    n = int.from_bytes(head[8:16], "little")
+    if 16 + n > size:
+        return None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            if not _write(path, tensors, offsets, size):
-                return None, 0, False
-            created = True
-        fd = os.open(path, os.O_RDONLY)
-    finally:
-        os.close(lock)  # releases the lock
-    try:
-        st = os.fstat(fd)
-        if st.st_size != size:
-            log.warning("shared weights: %s has %d bytes, expected %d; keeping this rank's copy", path, st.st_size, size)
-            return None, 0, False
-        # 2 MB-aligned and collapsed to huge pages where the kernel does it (engine/hugepages.py)
-        mm = hugepages.map_readonly(fd, size)
-        if mm is None:
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        return mm, st.st_ino, created
-    finally:
-        os.close(fd)
+        manifest = json.loads(os.pread(fd, n, 16))
+    except ValueError:
+        return None
+    body = -(-(16 + n) // ALIGN) * ALIGN
+    if body + manifest.get("body_bytes", -1) != size:
+        return None
+    return manifest, body
 
 
-def share_weights(model: nn.Module, directory: str | Path, identity: str) -> SharedWeights | None:
-    """Swap the CPU model's weights for read-only views of the host's shared copy in `directory`
-    (written by the first rank that gets here). `identity` names the checkpoint and dtype.
-    Returns None, leaving the model as it was, where the file cannot be used."""
+def _map(fd: int, size: int) -> mmap.mmap | ctypes.Array:
+    # 2 MB-aligned and collapsed to huge pages where the kernel does it (engine/hugepages.py)
+    mm = hugepages.map_readonly(fd, size)
+    if mm is None:
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    return mm
+
+
+def _views(base: torch.Tensor, body: int, manifest: dict) -> list[torch.Tensor]:
+    out = []
+    for _, dtype, shape, nbytes, off in manifest["tensors"]:
+        out.append(base[body + off:body + off + nbytes].view(getattr(torch, dtype)).view(shape))
+    return out
+
+
+def _apply(model: nn.Module, manifest: dict, views: list[torch.Tensor]) -> str | None:
+    """Make `model`'s parameters and kernel copies the views, as the manifest pairs them; None, or
+    why not (the model's parameters are then left as they were)."""
+    from engine.layers.linear import Linear
+
+    mods = dict(model.named_modules())
+    have = {(m, p): t for m, mod in mods.items() for p, t in mod._parameters.items() if t is not None}
+    if set(have) != {(m, p) for m, p, _ in manifest["params"]}:
+        return "another set of parameters"
+    for m, p, i in manifest["params"]:
+        if tuple(have[m, p].shape) != tuple(views[i].shape) or have[m, p].dtype != views[i].dtype:
+            return f"another shape or dtype of {m}.{p}"
+    if any(not isinstance(mods.get(m), Linear) or attr not in _COPIES for m, attr, _ in manifest["copies"]):
+        return "kernel copies of other modules"
+    made: dict[int, nn.Parameter] = {}  # one Parameter per tensor: a tied one, held by two modules, stays one
+    for m, p, i in manifest["params"]:
+        if i not in made:
+            made[i] = nn.Parameter(views[i], requires_grad=False)
+        mods[m]._parameters[p] = made[i]
+    for m, attr, i in manifest["copies"]:  # after the parameters: the copies are keyed by their weight
+        mod, v = mods[m], None if i is None else views[i]
+        if attr == "_packed":
+            mod._packed = (mod.packed_key(), v)
+        elif attr == "_gemm":
+            mod._gemm = (mod.gemm_key(), v)
+        else:
+            mod._quant = (Linear.packed_key(mod), v)
+    return None
+
+
+def share_weights(model: nn.Module, directory: str | Path, identity: str,
+                  load: Callable[[], None] | None = None) -> SharedWeights | None:
+    """Make the CPU model's weights and kernel copies read-only views of the host's shared copy in
+    `directory`, the file of `identity` (weights_identity's; the same identity must give the same
+    tensors). `load` materialises the model (its weights and packed copies); it is called, once,
+    unless the model's tensors come from a file written before: by the first rank that gets here
+    (which writes the file), or where no file can be used (the model then keeps its own
+    tensors). Without `load` the model is already loaded. Returns None where no file is used."""
+    key = hashlib.blake2b(identity.encode(), digest_size=12).hexdigest()
+    path = Path(directory) / f"{PREFIX}{key}.bin"
+    loaded = load is None
+    try:
+        # One writer: ranks that start together would otherwise each load, pack and write; they
+        # wait here for the first one instead and map what it wrote.
+        lock = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError as e:
+        log.warning("shared weights: cannot use %s (%s); this rank keeps its own copy", path, e)
+        lock = None
+    got = None
+    if lock is not None:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                got = _open(path, model, created=False, identity=identity)
+            else:
+                if not loaded:
+                    load()
+                    loaded = True
+                got = _create(path, identity, model)
+        except OSError as e:
+            log.warning("shared weights: cannot use %s (%s); this rank keeps its own copy", path, e)
+        finally:
+            os.close(lock)  # releases the lock
+    if got is None and not loaded:
+        load()
+    return got
+
+
+def _create(path: Path, identity: str, model: nn.Module) -> SharedWeights | None:
+    """Write the loaded model's tensors into a new file at `path` and swap them for views of it."""
     tensors = _tensors(model)
     if not tensors or any(t.device.type != "cpu" for _, t in tensors):
         return None
-    key, offsets, size = _layout(identity, tensors)
-    path = Path(directory) / f"{PREFIX}{key}.bin"
+    manifest = _manifest(identity, model, tensors)
+    if not _write(path, manifest, tensors):
+        return None
+    del tensors
+    return _open(path, model, created=True, written=manifest)
+
+
+def _open(path: Path, model: nn.Module, created: bool, identity: str = "",
+          written: dict | None = None) -> SharedWeights | None:
+    """Map the file at `path` and make the model's tensors views of it: the file this process
+    just wrote (`created`, its manifest `written`), or another rank's, used where it holds what
+    `identity` names, whole (its digest checked) and in the model's layout."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        mm, inode, created = _map(path, tensors, offsets, size)
-    except OSError as e:
-        log.warning("shared weights: cannot use %s (%s); this rank keeps its own copy", path, e)
-        return None
-    if mm is None:
-        return None
+        st = os.fstat(fd)
+        read = _read_header(fd, st.st_size)
+        if read is None or (written is not None and read[0] != written):
+            log.warning("shared weights: %s is not a whole weights file of this layout (%d bytes); keeping this "
+                        "rank's copy", path, st.st_size)
+            return None
+        manifest, body = read
+        if not created and manifest["identity"] != identity:
+            log.warning("shared weights: %s holds other weights; keeping this rank's copy", path)
+            return None
+        mm = _map(fd, st.st_size)
+    finally:
+        os.close(fd)
     with warnings.catch_warnings():  # a non-writable buffer is the point: writes fault
         warnings.simplefilter("ignore", UserWarning)
         base = torch.frombuffer(mm, dtype=torch.uint8)
-    views = []
-    for (name, t), off in zip(tensors, offsets):
-        n = t.numel() * t.element_size()
-        v = base[off:off + n]
-        if not torch.equal(v, _bytes(t)):
-            log.warning("shared weights: %s differs from this rank's %s; keeping this rank's copy", path, name)
-            del base, v, views
-            try:
-                if isinstance(mm, mmap.mmap):
-                    mm.close()  # (hugepages' mapping is unmapped when its last view goes)
-            except BufferError:  # a view is still alive somewhere: the GC unmaps it later
-                pass
-            return None
-        views.append(v.view(t.dtype).view(t.shape))
-    _swap(model, tensors, views)
-    del tensors, views
-    hugepages.release_freed_memory()
-    log.info("shared weights: %s %s (%.0f MB)", "wrote and mapped" if created else "mapped", path, size / 2**20)
-    return SharedWeights(path, size, created, base.data_ptr(), inode, mm)
-
-
-def _swap(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], views: list[torch.Tensor]) -> None:
-    from engine.layers.linear import Linear
-
-    new = {name: v for (name, _), v in zip(tensors, views)}
-    # One Parameter per tensor: a tied one, held by two modules, stays one object.
-    by_ptr = {t.data_ptr(): nn.Parameter(new[name], requires_grad=False)
-              for name, t in tensors if not name.endswith(("._packed", "._gemm", "._quant"))}
-    for mod in model.modules():
-        for pname, p in list(mod._parameters.items()):
-            if p is not None and p.data_ptr() in by_ptr:
-                mod._parameters[pname] = by_ptr[p.data_ptr()]
-    for name, mod in model.named_modules():
-        if isinstance(mod, Linear) and name + "._packed" in new:
-            mod._packed = (mod.packed_key(), new[name + "._packed"])
-        if isinstance(mod, Linear) and name + "._gemm" in new:
-            mod._gemm = (mod.gemm_key(), new[name + "._gemm"])
-        if isinstance(mod, Linear) and name + "._quant" in new:
-            mod._quant = (Linear.packed_key(mod), new[name + "._quant"])
+    why = None
+    # The writer wrote these bytes from its tensors; a reader checks them (SHA-1 releases the GIL).
+    if not created and hashlib.sha1(base[body:].numpy()).hexdigest() != manifest["body_sha1"]:
+        why = "its tensor bytes do not match its digest"
+    why = why or _apply(model, manifest, _views(base, body, manifest))
+    if why is not None:
+        log.warning("shared weights: %s not used (%s); keeping this rank's copy", path, why)
+        del base
+        try:
+            if isinstance(mm, mmap.mmap):
+                mm.close()  # (hugepages' mapping is unmapped when its last view goes)
+        except BufferError:  # a view is still alive somewhere: the GC unmaps it later
+            pass
+        return None
+    hugepages.release_freed_memory()  # the heap pages of the private copies the views replaced
+    log.info("shared weights: %s %s (%.0f MB)", "wrote and mapped" if created else "mapped", path, st.st_size / 2**20)
+    return SharedWeights(path, st.st_size, created, base.data_ptr(), st.st_ino, mm)

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pd_server.cli_args import opt
+from pd_server.disagg import MODES as DISAGG_MODES
+from pd_server.disagg import DisaggMode
 
 RoutingPolicyName = Literal["cache-aware", "affinity", "least-loaded", "round-robin"]
 API_KEY_ENV = "PDSERVE_API_KEY"  # read once, by security.api_key(), when --api-key is empty
@@ -22,6 +24,12 @@ class RouterConfig:
     heartbeat_interval_s: float = opt(0.5, "router pings and rank stats cadence")
     rank_timeout_s: float = opt(3.0, "a rank silent this long is marked dead")
     log_requests: bool = opt(False, "log one line per request (rank choice, tokens, time)")
+    # ---- PD mode: where a prompt is prefilled (disagg.py) ----
+    disagg: DisaggMode = opt("auto", "PD mode: always = every prompt through a prefill rank (KV handed off); "
+                                     "never = the decode rank prefills every prompt itself; auto = per request, "
+                                     "from cost curves and queue depths (pd_server/disagg.py)")
+    disagg_costs: str = opt("", "cost curves (pd_tune.py measure JSON) for --disagg auto (default: "
+                                "bench/pdtune/costs/ for the served model, else built-in)")
     # ---- access and request limits (security.py, limits.py) ----
     # NOTE: repr=False keeps the key out of every log line and traceback that prints the config.
     api_key: str = field(default="", repr=False, metadata={"help": (
@@ -52,6 +60,8 @@ class RouterConfig:
             raise ValueError("need 0 < heartbeat_interval_s < rank_timeout_s")
         if not self.rank_addr.startswith(("tcp://", "ipc://")):
             raise ValueError(f"rank_addr must be tcp:// or ipc://, got {self.rank_addr!r}")
+        if self.disagg not in DISAGG_MODES:
+            raise ValueError(f"disagg must be one of {DISAGG_MODES}, got {self.disagg!r}")
         for name in ("body_timeout_s", "header_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

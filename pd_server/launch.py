@@ -5,11 +5,11 @@
     python -m pd_server.launch --prefill 1 --decode 1 [--transfer auto|nixl|shm] [--handoff-lease-s 10]
                                [--handoff-pool-gb 0.25] [--prefill-host IP] [--decode-host IP] ...
 
-  1. Resolve the model once here (GGUF conversion, if any, happens before ranks start) and
-     load its tokenizer.
+  1. Resolve the model once here (GGUF conversion, if any, happens before ranks start).
   2. Bind the rank socket (tcp://127.0.0.1:<free port> by default) and start each rank
      (`python -m decode.rank --role colocated|decode`, `python -m prefill.rank`) pointed at
-     it, its logs in --run-dir when given. CPU threads are divided among the ranks (engine
+     it, its logs in --run-dir when given; then load the tokenizer (transformers: 5-8 s of a
+     2-core VM, while the ranks load). CPU threads are divided among the ranks (engine
      --num-threads 0 -> cores // ranks, at least 1). PD mode (--prefill N --decode M, no
      colocated ranks): the handoff flags go to every PD rank, --prefill-host/--decode-host
      become their --host (their rank-to-rank address); the router introduces them (Peers).
@@ -41,7 +41,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from decode.config import HandoffConfig
-from decode.core_board import board_path, create_board, remove_stale_launcher_paths
+from decode.core_board import board_path, create_board, home_cpus, host_cpus, remove_stale_launcher_paths
 from pd_server.cluster_auth import SECRET_ENV, cluster_secret_from_env
 from pd_server.cli_args import add_dataclass_args, from_args, opt
 from pd_server.config import RouterConfig
@@ -79,6 +79,10 @@ class LaunchConfig:
                                        "ranks. Off by default: steps above 1024 rows use oneDNN's GEMM, which "
                                        "rounds differently at another thread count, so outputs then depend on "
                                        "timing in their last bits (greedy text can differ)")
+    pin_cores: bool = opt(True, "where the ranks' threads fit this host's cores (ranks x threads <= cores of the "
+                                "launcher's cpuset), pin each rank to disjoint cores; a rank borrowing idle "
+                                "ranks' cores runs on the whole cpuset meanwhile. With more ranks than cores "
+                                "nothing is pinned")
     share_weights: bool = opt(True, "CPU ranks map one read-only copy of the weights (and the linear kernel's "
                                     "packed copies) from a file on tmpfs instead of each holding its own "
                                     "(engine/shared_weights.py)")
@@ -108,13 +112,20 @@ class LaunchConfig:
 
 
 def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router_addr: str,
-                 handoff: HandoffConfig | None = None, core_board: str = "") -> list[str]:
+                 handoff: HandoffConfig | None = None, core_board: str = "", cpus: list[int] | None = None) -> list[str]:
+    """The command line of rank `role`-`index`. `cpus`: the launcher's cpuset, to pin the rank to
+    its share of (with --pin-cores, where every rank's threads fit)."""
     module = {"prefill": "prefill.rank"}.get(role, "decode.fake_rank" if launch.fake_ranks else "decode.rank")
     cmd = [sys.executable, "-m", module, "--role", role, "--index", str(index), "--router-addr", router_addr]
-    if core_board and not launch.fake_ranks:  # slots: prefill (or colocated) ranks, then decode ranks
-        cmd += ["--core-board", core_board, "--core-slot", str(index + (launch.prefill if role == "decode" else 0))]
+    slot = index + (launch.prefill if role == "decode" else 0)  # prefill (or colocated) ranks, then decode ranks
+    if core_board and not launch.fake_ranks:
+        cmd += ["--core-board", core_board, "--core-slot", str(slot)]
         if launch.lend_idle_cores:
             cmd += ["--lend-all"]
+    if cpus and launch.pin_cores and not launch.fake_ranks and engine_cfg.device == "cpu":
+        home = home_cpus(slot, max(1, engine_cfg.num_threads), cpus, launch.num_ranks)
+        if home:
+            cmd += ["--cpus", ",".join(map(str, home))]
     if role in ("prefill", "decode"):
         cmd += ["--host", launch.prefill_host if role == "prefill" else launch.decode_host]
         for f in fields(HandoffConfig):
@@ -154,9 +165,10 @@ def shared_weights_config(engine_cfg, launch: LaunchConfig):
     return replace(engine_cfg, shared_weights_dir=str(d)), d
 
 
-async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, model_name: str,
+async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, model_dir: Path, model_name: str,
                 handoff: HandoffConfig | None = None) -> None:
-    """Run the router and its ranks until a signal; `model_name` is the served id."""
+    """Run the router and its ranks until a signal; `model_dir` is the resolved checkpoint
+    (engine/model_cache.py), `model_name` the served id."""
     import uvicorn
 
     from pd_server.app import build_app
@@ -179,9 +191,11 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
     board = ""
     if (launch.lend_cores or launch.lend_idle_cores) and launch.num_ranks > 1 and engine_cfg.device == "cpu":
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        board = str(create_board(board_path(shm, os.getpid()), launch.num_ranks))
+        board = str(create_board(board_path(shm, os.getpid()), launch.num_ranks, engine_cfg.num_threads,
+                                 len(host_cpus())))
     engine_cfg, weights_dir = shared_weights_config(engine_cfg, launch)
-    sup = Supervisor(registry, lambda role, i: rank_command(engine_cfg, launch, role, i, addr, handoff, board),
+    cpus = host_cpus()
+    sup = Supervisor(registry, lambda role, i: rank_command(engine_cfg, launch, role, i, addr, handoff, board, cpus),
                      launch.run_dir, launch.max_restarts if launch.supervise else 0, launch.restart_backoff_s,
                      launch.rank_start_timeout_s)
     for role, count in launch.roles:
@@ -189,6 +203,14 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, tokenizer, 
             sup.start(role, i)
     if not launch.num_ranks:
         log.info("router only: ranks join by connecting to %s", addr)
+    from transformers import AutoTokenizer
+
+    # After the ranks started: they load meanwhile (their Hellos wait in the socket).
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except BaseException:
+        sup.reap(0.0)  # the ranks started: stop them before giving up
+        raise
     ctx = ServerContext(cfg, model_name, frozenset({model_name, engine_cfg.model}), tokenizer,
                         ChatRenderer(tokenizer), registry, dispatcher, metrics)
     server = uvicorn.Server(uvicorn.Config(build_app(ctx), host=cfg.host, port=cfg.port, log_level="warning",
@@ -246,17 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         log.info("PD mode: %d prefill + %d decode rank(s), transfer %s, handoff lease %.1fs", launch.prefill,
                  launch.decode, handoff.transfer, handoff.handoff_lease_s)
     if engine_cfg.num_threads == 0:
-        engine_cfg = replace(engine_cfg, num_threads=max(1, (os.cpu_count() or 1) // max(1, launch.num_ranks)))
+        engine_cfg = replace(engine_cfg, num_threads=max(1, len(host_cpus()) // max(1, launch.num_ranks)))
     log.info("%d rank(s), %d torch thread(s) each", launch.num_ranks, engine_cfg.num_threads)
-
-    from transformers import AutoTokenizer
 
     from engine.model_cache import cached_model_dir, served_name
 
     model_dir = cached_model_dir(engine_cfg.model)  # converts a GGUF once, before any rank starts
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model_name = cfg.served_model_name or served_name(engine_cfg.model)
-    asyncio.run(serve(cfg, engine_cfg, launch, tokenizer, model_name, handoff))
+    asyncio.run(serve(cfg, engine_cfg, launch, model_dir, model_name, handoff))
     return 0
 
 

@@ -68,6 +68,9 @@ class RouterMetrics:
                                "send to rank arrival; prefill_wait: to its first prefill chunk; prefill: to first "
                                "token; PD only: stage, admission_wait, transfer, first_decode; decode: to finish; "
                                "see phase_durations)", ["phase"], buckets=_LAT, registry=r)
+        self.prefill_placement = Counter("pdserve_prefill_placement", "PD requests by where their prompt was "
+                                         "prefilled: on their decode rank, or a prefill rank (--disagg)", ["where"],
+                                         registry=r)
         self.rank_queue = Gauge("pdserve_rank_queue_depth", "waiting sequences on a rank", ["rank"], registry=r)
         self.rank_running = Gauge("pdserve_rank_running", "running sequences on a rank", ["rank"], registry=r)
         self.rank_pages = Gauge("pdserve_rank_kv_pages_used", "KV pages in use on a rank", ["rank"], registry=r)

@@ -40,7 +40,7 @@ class Rank:
     dead_reason: str = ""
     process: subprocess.Popen | None = field(default=None, repr=False)  # when the launcher started it
     routed: int = 0  # requests sent to it, ever
-    cache: RankCacheIndex | None = None  # what its host cache holds (ranks that prefill, with one)
+    cache: RankCacheIndex | None = None  # what its host cache holds (with one; a decode rank's: its own prefills)
     ready_by: float = 0.0  # monotonic deadline for its Hello (launcher-started ranks); 0: none
     restarts: int = 0  # processes started under this name before this one (the launcher's supervisor)
 
@@ -108,7 +108,7 @@ class RankRegistry:
         if rank is None:
             rank = self.ranks[name] = Rank(hello.role, hello.index)
         rank.pid, rank.identity, rank.hello = hello.pid, identity, hello
-        if hello.cache_root and hello.role != "decode" and rank.cache is None:  # a repeated Hello keeps it
+        if hello.cache_root and rank.cache is None:  # a repeated Hello keeps it
             rank.cache = RankCacheIndex(hello.cache_root, hello.page_size, hello.cache_needs_state)
         rank.state, rank.last_seen = READY, now
         self._by_identity[identity] = rank

@@ -108,13 +108,14 @@ class Pending:
     msg: Generate
     queue: Inbox  # its Handle's
     index: int  # choice index in the HTTP response
-    rank: Rank  # the colocated or prefill rank
+    rank: Rank  # the rank that prefills: colocated, prefill, or (PD, --disagg placed it there) decode
     arrival: float  # perf_counter at HTTP arrival
-    decode: Rank | None = None  # PD mode: the decode rank
+    decode: Rank | None = None  # PD mode with a handoff: the decode rank
     last: float = 0.0  # perf_counter of the last token event; 0 before the first
     retried: bool = False
     received: int = 0  # output tokens delivered so far
     early: dict[int, TokenEvent] = field(default_factory=dict)  # PD: events ahead of the first token, by offset
+    prefill_s: float = 0.0  # --disagg auto: its estimated prefill seconds on `rank` (queued work until `last`)
 
     def ranks(self) -> list[Rank]:
         return [self.rank] if self.decode is None else [self.rank, self.decode]
@@ -127,8 +128,8 @@ class Handle:
 
     dispatcher: "Dispatcher"
     sub_ids: list[str]
-    rank: Rank  # the colocated or prefill rank
-    decode: Rank | None = None  # PD mode
+    rank: Rank  # the rank that prefills (colocated, prefill, or a decode rank prefilling itself)
+    decode: Rank | None = None  # PD mode with a handoff
     queue: Inbox = field(default_factory=Inbox)
     _open: int = -1  # sub-requests not finished yet
 

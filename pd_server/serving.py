@@ -139,4 +139,6 @@ def route_headers(handle: Handle, request_id: str) -> dict[str, str]:
     headers = {"x-request-id": request_id, "x-pdserve-rank": handle.rank.name}
     if handle.decode is not None:
         headers["x-pdserve-decode-rank"] = handle.decode.name
+    elif handle.rank.role == "decode":  # PD, prefilled on the decode rank (--disagg): it decodes too
+        headers["x-pdserve-decode-rank"] = handle.rank.name
     return headers

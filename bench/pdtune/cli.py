@@ -7,9 +7,11 @@
 
 measure: this machine's cost curves (bench/pdtune/measure.py), once (this 2-core machine's, 1
 thread: bench/pdtune/costs/smollm2-135m-instruct-cpu2.json). simulate: every split of
---ranks (colocated R, xPyD for x + y = R) replayed in the simulator (bench/pdtune/sim.py), any
-rank count and --cores (to plan past this machine). sweep: every split started for real and
-replayed with aiperf (scripts/agentx_compare.sh), per-request records read back. Both print the
+--ranks (colocated R, xPyD for x + y = R, and xPyD+cond: the router's --disagg auto, the decode
+rank prefilling a request itself when its rule says so; plain xPyD is --disagg always) replayed in
+the simulator (bench/pdtune/sim.py), any rank count and --cores (to plan past this machine).
+sweep: every split started for real and replayed with aiperf (scripts/agentx_compare.sh),
+per-request records read back. Both print the
 table they decided from, the phase breakdown and the recommendation. A workload is a weka_trace
 directory (--workload) or synthetic (--isl/--osl/--requests).
 """
@@ -45,7 +47,8 @@ def _add_workload(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ranks", type=int, required=True, help="rank budget R: colocated R and every xPyD, x+y=R")
     ap.add_argument("--ttft-ms", type=float, required=True, help="SLO: time to first token")
     ap.add_argument("--itl-ms", type=float, required=True, help="SLO: mean inter-token latency of a request")
-    ap.add_argument("--splits", help="only these, e.g. 'colocated-2,1P1D' (default: all of --ranks)")
+    ap.add_argument("--splits", help="only these, e.g. 'colocated-2,1P1D,1P1D+cond' (default: all of --ranks; "
+                                     "simulate adds each xPyD+cond)")
     ap.add_argument("--json", dest="json_out", help="also write the aggregates here")
 
 
@@ -57,7 +60,8 @@ def _workload(args):
     return synthetic(args.isl, args.osl, args.requests)
 
 
-def _splits(args):
+def _splits(args, cond: bool = False):
+    """--splits, else every split of --ranks (with `cond`, each xPyD's xPyD+cond too)."""
     from bench.pdtune.split import Split, splits
 
     if args.splits:
@@ -65,11 +69,11 @@ def _splits(args):
         if any(s.ranks != args.ranks for s in chosen):
             raise SystemExit("every --splits entry must use --ranks ranks")
         return chosen
-    return splits(args.ranks)
+    return splits(args.ranks, cond)
 
 
 def simulate_rows(args, costs_path: str, names: list[str] | None = None) -> dict[str, dict]:
-    """Simulated aggregates per split name (all of args.ranks, or `names`)."""
+    """Simulated aggregates per split name (all of args.ranks, xPyD+cond included, or `names`)."""
     from bench.pdtune.costs import CostCurves
     from bench.pdtune.sim import simulate
     from bench.pdtune.split import Limits, Split
@@ -82,7 +86,7 @@ def simulate_rows(args, costs_path: str, names: list[str] | None = None) -> dict
         lo, hi = (float(v) for v in args.trajectory_start.split(","))
         start = (lo, hi)
     rows = {}
-    for sp in ([Split.parse(n) for n in names] if names else _splits(args)):
+    for sp in ([Split.parse(n) for n in names] if names else _splits(args, cond=True)):
         res = simulate(sp, curves.for_ranks(sp.ranks, args.cores, shared=True), sessions, args.concurrency, limits,
                        args.duration, start, args.seed, (args.cores or curves.cores) - args.client_cores)
         rows[sp.name] = summarize(res, args.ttft_ms, args.itl_ms)

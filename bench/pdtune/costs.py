@@ -16,22 +16,13 @@ slowdown when more ranks than cores share the machine (each rank then gets cores
 """
 from __future__ import annotations
 
-import bisect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
-FORMAT = 1  # bump when the JSON layout changes
-
-
-def interp1(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise-linear y(x) through sorted xs; linear extrapolation from the end segments; >= 0."""
-    if len(xs) == 1:
-        return max(0.0, ys[0])
-    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
-    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+from pd_server.disagg import StepCosts  # noqa: F401 - what the simulator calls (re-exported)
+# The router reads the same files the same way (its reader; FORMAT: bump when the JSON layout changes).
+from pd_server.disagg_costs import FORMAT, interp1
 
 
 @dataclass
@@ -68,20 +59,6 @@ class Curve1:
 
     def __call__(self, x: float) -> float:
         return interp1(self.xs, self.ys, x)
-
-
-class StepCosts(Protocol):
-    """What the simulator needs from a rank, in seconds (tests pass constants)."""
-
-    kv_bytes_per_token: float
-
-    def prefill_s(self, new: int, cached: int) -> float: ...
-
-    def decode_s(self, batch: int, ctx: float) -> float: ...
-
-    def stage_s(self, nbytes: float) -> float: ...
-
-    def transfer_s(self, nbytes: float) -> float: ...
 
 
 @dataclass

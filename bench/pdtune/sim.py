@@ -24,6 +24,13 @@ A request's life, mirroring the router and ranks:
   5. Decode rank: handoffs queue FIFO; one read at a time (transfer_s(bytes)) while the rank
      has a sequence place; the pulled request joins the next decode step. Steps batch every
      running sequence (decode_s(batch, mean context)), one token each.
+  6. xPyD+cond (conditional disaggregation, the router's --disagg auto): at step 2 the
+     router's rule (pd_server/disagg.py DisaggPolicy, on these costs) decides from the prompt,
+     both ranks' expected hits and both ranks' queued prefill (the estimated
+     prefill seconds of requests sent there without a first token yet) whether the decode
+     rank prefills the request itself (the decode rank's own host cache, which holds what
+     it prefilled, priced in); it then runs there as on a colocated rank (3-4, its chunks
+     stalling that rank's decodes).
 Not modelled: KV memory limits and preemption, handoff-pool backpressure, network and
 HTTP latency, host-cache eviction (unbounded), the max-in-flight 429s.
 """
@@ -40,6 +47,7 @@ from bench.pdtune.costs import StepCosts
 from bench.pdtune.report import RequestResult
 from bench.pdtune.split import Limits, Split
 from bench.pdtune.workload import Call, Fork, Session, entered_at
+from pd_server.disagg import DisaggPolicy, PlacementInput
 
 
 @dataclass(eq=False)
@@ -57,8 +65,9 @@ class _Req:
     t_pull_end: float = 0.0
     t_first_decode: float = 0.0
     stall: float = 0.0  # decode time spent in steps' prompt chunks (colocated: a chunk stalls decode)
-    decode_rank: "_Rank | None" = None
+    decode_rank: "_Rank | None" = None  # PD with a handoff
     warmup: bool = False  # an AgentX warm-up call (entered_at): served, not reported
+    prefill_est: float = 0.0  # +cond: its estimated prefill seconds where it was placed (the router's queue)
 
     @property
     def prefilling(self) -> bool:
@@ -128,6 +137,8 @@ class Simulator:
         else:
             self.prefillers = [_Rank(f"prefill-{i}", "prefill", i) for i in range(split.prefill)]
             self.decoders = [_Rank(f"decode-{i}", "decode", i) for i in range(split.decode)]
+        self.disagg = DisaggPolicy("auto", costs) if split.cond else None
+        self.placed_local = 0  # +cond: requests the decode rank prefilled
 
     # ---- event loop -------------------------------------------------------------------
     def _at(self, t: float, fn: Callable, *args) -> None:
@@ -207,15 +218,37 @@ class Simulator:
         req = _Req(call, tuple((inst[0], h) for h in call.hash_ids), self.now, then, warmup=warmup)
         rank = max(self.prefillers, key=lambda r: (self._hit(r, req) - self.limits.load_tokens * r.inflight,
                                                    -r.inflight, -r.routed, -r.index))
-        rank.inflight += 1
-        rank.routed += 1
         if self.decoders:
             d = min(self.decoders, key=lambda r: (r.inflight, r.routed, r.index))
+            local = self.disagg is not None and self._place_local(req, rank, d)
             d.inflight += 1
             d.routed += 1
+            if local:  # prefilled and decoded there, as on a colocated rank
+                self.placed_local += 1
+                d.waiting.append(req)
+                self._kick(d)
+                return
             req.decode_rank = d
+        rank.inflight += 1
+        rank.routed += 1
         rank.waiting.append(req)
         self._kick(rank)
+
+    def _place_local(self, req: _Req, prefill: _Rank, d: _Rank) -> bool:
+        """The router's --disagg auto rule (pd_server/disagg.py) for `req`; sets its estimate."""
+        pol, n = self.disagg, req.call.input_tokens
+        hit, local_hit = self._hit(prefill, req), self._hit(d, req)
+        ctx = [r.call.input_tokens + r.generated for r in d.running]
+        x = PlacementInput(((n, hit, local_hit),), self._queued_prefill_s(prefill), self._queued_prefill_s(d),
+                           max(1, d.inflight), sum(ctx) / len(ctx) if ctx else float(n))
+        local = pol.decide(x).local
+        req.prefill_est = pol.prefill_s(n, local_hit if local else hit)
+        return local
+
+    @staticmethod
+    def _queued_prefill_s(rank: _Rank) -> float:
+        """What the router counts as queued prefill on `rank`: requests without a first token."""
+        return sum(r.prefill_est for r in itertools.chain(rank.waiting, rank.running) if r.prefilling)
 
     def _hit(self, rank: _Rank, req: _Req) -> int:
         """Prompt tokens the rank's host cache serves: the leading stored blocks, leaving at

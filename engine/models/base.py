@@ -1,6 +1,7 @@
 """The decoder-only skeleton both families share: embed -> layers -> final norm -> lm_head."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -36,7 +37,10 @@ class DecoderLM(nn.Module):
         self.rotary = {t: RotaryEmbedding(r, cfg.head_dim, cfg.max_position, dtype, device)
                        for t, r in cfg.rope.items()}
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            # NOTE: given its weight, nn.Embedding skips its random init, whose normal_ on meta
+            # tensors imports torch._dynamo (1.6-3.8 s of a rank's start-up on this VM).
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                             _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
             self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
             self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -87,8 +91,17 @@ class DecoderLM(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()
 
-    def load_weights(self, loader: WeightLoader) -> None:
+    def load_weights(self, loader: WeightLoader, phases: dict[str, float] | None = None) -> None:
+        """Materialise the parameters from `loader`, then make the kernel's packed copies. Adds the
+        seconds spent to `phases` (where given): "weights" (read and cast), "quant" (the exact
+        block-quantized copies, made while loading), "pack" (the packed copies)."""
+        t0 = time.perf_counter()
         loader.load_into(self)
+        t1 = time.perf_counter()
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.prepare()  # the kernel's packed weight copies, made before the first step
+        if phases is not None:
+            for name, s in (("weights", t1 - t0 - loader.quant_s), ("quant", loader.quant_s),
+                            ("pack", time.perf_counter() - t1)):
+                phases[name] = phases.get(name, 0.0) + s

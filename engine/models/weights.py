@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ class WeightLoader:
                     for name in h.keys():
                         self._where[name] = f
         self._handles: dict[Path, object] = {}
+        self.quant_s = 0.0  # seconds load_into spent making quant copies (attach_quant)
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -82,13 +84,17 @@ class WeightLoader:
                 # a checkpoint dequantized from GGUF: its Q4_1 / Q8_0 blocks, exact, for the decode kernel
                 mod = model.get_submodule(mod_path)
                 if isinstance(mod, Linear):
+                    t0 = time.perf_counter()
                     mod.attach_quant(tensor)
+                    self.quant_s += time.perf_counter() - t0
                 elif tied and name == "embed_tokens.weight":
                     embed32 = tensor
         if tied:
             model.lm_head.weight = model.embed_tokens.weight
             if embed32 is not None and isinstance(model.lm_head, Linear):
+                t0 = time.perf_counter()
                 model.lm_head.attach_quant(embed32)
+                self.quant_s += time.perf_counter() - t0
         self._handles.clear()
 
 

@@ -25,8 +25,10 @@ from typing import Literal
 # rank with a message naming both versions.
 # History: 2 added Hello.peer_addr, Peers, the PD PhaseTimes fields, RankStats handoff/transfer
 # counters and the prefill_decode.py link. 3 added Hello.cache_root/cache_needs_state and the
-# CacheEvents message (host-cache store/evict events for cache-aware routing).
-PROTOCOL_VERSION = 3
+# CacheEvents message (host-cache store/evict events for cache-aware routing). 4: a decode rank
+# serves a Generate (decode_rank -1) by prefilling it itself (conditional disaggregation, --disagg),
+# and its Hello names its host cache (cache_root) and it sends CacheEvents like a prefill rank.
+PROTOCOL_VERSION = 4
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (pd_server/cluster_auth.py).
 # The largest legitimate frames: a Generate or Handoff of a 1M-token prompt (<= 5 bytes per id in

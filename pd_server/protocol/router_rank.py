@@ -64,7 +64,7 @@ class Generate(msgspec.Struct, frozen=True, array_like=True, tag="generate"):
     sampling: Sampling
     sent_at: float  # router wall clock (time.time()), for the queue-phase histogram
     # PD mode: the prefill rank that receives this sends the KV to this decode rank index.
-    # -1 in colocated mode (the rank decodes itself).
+    # -1: the receiving rank decodes itself (a colocated rank, or a decode rank that prefills it).
     decode_rank: int = -1
 
 

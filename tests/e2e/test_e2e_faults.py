@@ -260,7 +260,7 @@ def pd_sup(tmp_path_factory):
     try:
         system = start_system(tmp_path_factory.mktemp("pd-sup"),
                               [*REAL, "--prefill", "1", "--decode", "2", "--transfer", "shm", "--hicache-size-gb", "0",
-                               "--kv-cache-gb", "0.1", "--handoff-pool-gb", "0.05", "--supervise",
+                               "--kv-cache-gb", "0.1", "--handoff-pool-gb", "0.05", "--supervise", "--disagg", "always",
                                "--max-restarts", "3", "--restart-backoff-s", "0.5"], timeout=420)
     finally:
         del os.environ["PDSERVE_FAULT"], os.environ["PDSERVE_CLUSTER_SECRET"]
@@ -340,7 +340,8 @@ def test_full_queues_and_pools_answer_429_or_503_and_never_lose_a_request(tmp_pa
     # prompts, a host cache that evicts, and room for 3 requests per rank at the router.
     system = start_system(tmp_path, [*REAL, "--prefill", "1", "--decode", "1", "--transfer", "shm",
                                      "--kv-cache-gb", "0.01", "--handoff-pool-gb", "0.01", "--hicache-size-gb", "0.005",
-                                     "--max-inflight-per-rank", "3", "--handoff-lease-s", "20"], timeout=300)
+                                     "--max-inflight-per-rank", "3", "--handoff-lease-s", "20", "--disagg", "always"],
+                          timeout=300)
     results: list[tuple[int, dict]] = []
 
     def one(i: int) -> None:

@@ -1,10 +1,12 @@
 """PD mode end to end: real router, prefill and decode rank processes, KV over NIXL and shm.
 
-Two systems, one per transfer backend, shared by the tests of this module:
+Two systems, one per transfer backend, shared by the tests of this module (--disagg always):
   * `pd_nixl`: 1 prefill + 1 decode over NIXL, the prefill rank on 127.0.0.2 and the decode
     rank on 127.0.0.3 (rank-to-rank traffic over TCP, as two hosts would), host prefix cache on;
   * `pd_shm`: 2 prefill + 2 decode over shared memory on loopback, prefix cache off. Its last
     two tests kill decode-1, then prefill-1.
+and `pd_local`: 1 prefill + 1 decode with --disagg never (the decode rank prefills every
+prompt itself), host prefix cache on.
 Greedy outputs are compared token for token with the engine run in this process (the colocated
 path: same model, dtype, thread count and chunking; requests go one at a time).
 """
@@ -30,6 +32,9 @@ MODEL = "smollm2-135m-instruct"
 COMMON = ["--model", MODEL, "--kv-cache-gb", "0.25", "--num-threads", "1", "--max-num-seqs", "16",
           "--max-num-batched-tokens", "512",
           "--handoff-pool-gb", "0.1"]
+# Every prompt through a prefill rank and its handoff, which most tests here test (auto would
+# prefill short prompts on the decode rank; `pd_local` tests that path).
+HANDOFF = [*COMMON, "--disagg", "always"]
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -37,7 +42,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 def pd_nixl(tmp_path_factory):
     system = start_system(tmp_path_factory.mktemp("pd-nixl"),
                           ["--prefill", "1", "--decode", "1", "--transfer", "nixl", "--prefill-host", "127.0.0.2",
-                           "--decode-host", "127.0.0.3", "--hicache-size-gb", "0.05", *COMMON], timeout=420)
+                           "--decode-host", "127.0.0.3", "--hicache-size-gb", "0.05", *HANDOFF], timeout=420)
     try:
         yield system
     finally:
@@ -50,7 +55,7 @@ def pd_shm(tmp_path_factory):
                           ["--prefill", "2", "--decode", "2", "--transfer", "shm",
                            # Prefix cache off, as the module docstring says (the launcher's default is on;
                            # with it, cache-aware routing sends shared-prefix prompts to one rank).
-                           "--hicache-size-gb", "0", *COMMON], timeout=420)
+                           "--hicache-size-gb", "0", *HANDOFF], timeout=420)
     pids = [r["pid"] for r in system.ranks().values()]
     try:
         yield system
@@ -58,6 +63,17 @@ def pd_shm(tmp_path_factory):
         stop_system(system)
     # Killed ranks cannot unlink their handoff pools: the launcher does on the way out.
     assert not [f for pid in pids for f in Path("/dev/shm").glob(f"pdserve-handoff-*-{pid}-*")]
+
+
+@pytest.fixture(scope="module")
+def pd_local(tmp_path_factory):
+    system = start_system(tmp_path_factory.mktemp("pd-local"),
+                          ["--prefill", "1", "--decode", "1", "--transfer", "shm", "--hicache-size-gb", "0.05",
+                           *COMMON, "--disagg", "never"], timeout=420)
+    try:
+        yield system
+    finally:
+        stop_system(system)
 
 
 BOTH = pytest.mark.parametrize("backend", ["nixl", "shm"])  # not a parametrized fixture: keeps test order
@@ -299,3 +315,50 @@ def test_killed_prefill_rank_fails_its_requests_fast_and_the_rest_serve(pd_shm, 
     got = completion(pd_shm, prompts(engine)[0], 4)
     assert got["headers"]["x-pdserve-rank"] == "prefill-0"
     pd_shm.wait_until(lambda: idle(pd_shm), 20, "survivors idle")
+
+
+def test_local_prefill_on_the_decode_rank_equals_colocated(pd_local, engine):
+    """--disagg never: the decode rank prefills (the 700-token prompt in chunks of 512) and
+    decodes; greedy output equals the engine's (the colocated path, which the tests above hold
+    the prefill-rank path to), n > 1, streaming, its own host cache, aborts, the books."""
+    for ids in prompts(engine):
+        ref = reference(engine, ids, 10)
+        got = completion(pd_local, ids, 10)
+        choice, usage = got["body"]["choices"][0], got["body"]["usage"]
+        assert choice["token_ids"] == ref.new_token_ids, len(ids)
+        assert choice["text"] == ref.text and choice["finish_reason"] == ref.finish_reason
+        assert usage["prompt_tokens"] == len(ids) and usage["completion_tokens"] == len(ref.new_token_ids)
+        assert got["headers"]["x-pdserve-rank"] == got["headers"]["x-pdserve-decode-rank"] == "decode-0"
+    ids = prompts(engine)[1]
+    body = completion(pd_local, ids, 6, n=2)["body"]
+    assert [c["token_ids"] for c in body["choices"]] == [reference(engine, ids, 6).new_token_ids] * 2
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (len(ids), 12)
+    chat = engine.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+    with client(pd_local) as c:
+        chunks = list(c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                stream=True, extra_body={"return_token_ids": True}))
+    assert [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra.get("token_ids") or []] == \
+        reference(engine, chat, 12).new_token_ids
+    # The decode rank's host cache: a repeated prompt hits it, and the router indexes it.
+    text = " ".join(f"row {i}: {i * 5 % 13} pears;" for i in range(60))  # not sent before
+    ids = engine.tokenizer(text).input_ids[:300]
+    first, again = completion(pd_local, ids, 4)["body"], completion(pd_local, ids, 4)["body"]
+    ref = reference(engine, ids, 4).new_token_ids
+    assert first["choices"][0]["token_ids"] == again["choices"][0]["token_ids"] == ref
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(ids) - 1) // 16 * 16
+    assert pd_local.ranks()["decode-0"]["host_cache_pages"] > 0
+    # A disconnect while decoding aborts on the decode rank and frees its pages.
+    cm, r = _stream(pd_local, {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True})
+    try:
+        lines = r.iter_lines()
+        assert sum(next(lines).startswith("data: ") for _ in range(8)) >= 3
+        assert r.headers["x-pdserve-rank"] == "decode-0"
+    finally:
+        cm.__exit__(None, None, None)
+    pd_local.wait_until(lambda: idle(pd_local), 20, "both ranks idle after a disconnect while decoding")
+    ranks = pd_local.ranks()
+    assert ranks["prefill-0"]["routed"] == 0 and ranks["decode-0"]["routed"] == 8
+    metrics = httpx.get(pd_local.url + "/metrics").text.splitlines()
+    assert 'pdserve_prefill_placement_total{where="decode"} 8.0' in metrics
+    assert not any(ln.startswith('pdserve_prefill_placement_total{where="prefill"}') for ln in metrics)

@@ -19,7 +19,7 @@ def pd_gemma(tmp_path_factory):
     system = start_system(tmp_path_factory.mktemp("pd-gemma"),
                           ["--prefill", "1", "--decode", "1", "--transfer", "nixl", "--model", MODEL,
                            "--kv-cache-gb", "0.25", "--num-threads", "1", "--max-num-seqs", "8",
-                           "--handoff-pool-gb", "0.1"], timeout=420)
+                           "--handoff-pool-gb", "0.1", "--disagg", "always"], timeout=420)
     try:
         yield system
     finally:

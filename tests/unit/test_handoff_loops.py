@@ -1,6 +1,7 @@
 """Prefill and decode rank loops wired in one process: real tiny engines, a fake transfer backend
 (real bytes), a fake router link. Token equality with colocated (SWA state included), the
-prefill rank's pins and lease, and aborts in each phase.
+prefill rank's pins and lease, aborts in each phase, and a decode rank prefilling a Generate
+itself (--disagg) next to handed-off requests.
 """
 from __future__ import annotations
 
@@ -199,6 +200,53 @@ def test_abort_while_prefilling_and_while_pulling_frees_both_sides(tiny_model_di
         pair.turn()
         assert pair.idle() and pair.sender.released == 2 and not pair.errors()
         assert pair.tokens()["b"] and "b" not in pair.finished()  # only the first token was streamed
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_decode_rank_prefills_a_generate_itself_next_to_handoffs(tiny_model_dir, family):
+    """Prompts of 37 and 12 tokens prefilled in chunks of 16 on the decode rank, in the same
+    steps as a handed-off request's decodes: the same tokens as colocated."""
+    from engine.sampling_params import SamplingParams
+
+    path = tiny_model_dir(family)
+    prompts = _prompts((37, 37, 12))
+    colocated = _engine(path).generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    pair = Pair(path)
+    try:
+        s = Sampling(max_tokens=10, temperature=0.0, ignore_eos=True)
+        pair.generate("h", prompts[0])  # through the prefill rank
+        for _ in range(6):  # until it decodes on the decode rank
+            pair.turn()
+        assert "h" in pair.decode.engine.seqs
+        for i in (1, 2):
+            pair.decode.link.inbox.put(Generate(f"l{i}", prompts[i], s, 0.0))
+        pair.decode.link.inbox.put(Generate("bad", prompts[2], s, 0.0, decode_rank=0))
+        for _ in range(200):
+            pair.turn()
+            if len(pair.finished()) == 3 and pair.idle():
+                break
+        got = pair.tokens()
+        assert [got["h"], got["l1"], got["l2"]] == [o.new_token_ids for o in colocated]
+        fin = pair.finished()
+        t = fin["l1"].times
+        assert t.arrived <= t.first_token <= t.finished and t.handoff_sent == t.pull_start == 0.0
+        assert (fin["l1"].prompt_tokens, fin["l1"].completion_tokens) == (37, 10)
+        assert [(e.request_id, e.status) for e in pair.errors()] == [("bad", 500)]
+        assert not pair.prefill.engine.seqs and len(pair.handoffs) == 1  # the prefill rank saw only "h"
+        # Abort while prefilling there and while decoding: the pages come back at once.
+        pair.decode.link.inbox.put(Generate("a", prompts[0], s, 0.0))
+        pair.decode.link.inbox.put(Generate("b", prompts[2], s, 0.0))
+        pair.turn()
+        assert pair.decode.engine.pool.used_pages > 0
+        pair.decode.link.inbox.put(Abort("a"))
+        for _ in range(4):
+            pair.turn()
+        assert "b" in pair.decode.engine.seqs and pair.tokens()["b"]
+        pair.decode.link.inbox.put(Abort("b"))
+        pair.turn()
+        assert pair.idle() and "a" not in pair.finished() and "b" not in pair.finished()
     finally:
         pair.close()
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench.pdtune.costs import CostCurves, Curve1, Grid2
 from bench.pdtune.report import RequestResult, goodput, percentile, recommend, summarize
-from bench.pdtune.sim import simulate
+from bench.pdtune.sim import Simulator, simulate
 from bench.pdtune.split import Limits, Split, splits
 from bench.pdtune.workload import Call, Fork, Session, load_trace_dir, synthetic
 
@@ -181,13 +181,56 @@ def test_ranks_computing_at_once_share_the_cores():
 def test_splits_and_names():
     assert [s.name for s in splits(1)] == ["colocated-1"]
     assert [s.name for s in splits(4)] == ["colocated-4", "1P3D", "2P2D", "3P1D"]
+    assert [s.name for s in splits(3, cond=True)] == ["colocated-3", "1P2D", "1P2D+cond", "2P1D", "2P1D+cond"]
     assert all(s.ranks == 4 for s in splits(4))
     assert Split.parse("2p1d") == Split(prefill=2, decode=1)
+    assert Split.parse("2P2D+cond") == Split(prefill=2, decode=2, cond=True)
     assert Split.parse("colocated-3") == Split(colocated=3)
     with pytest.raises(ValueError):
         Split(prefill=1)
     with pytest.raises(ValueError):
         Split(colocated=1, decode=1)
+    with pytest.raises(ValueError):
+        Split(colocated=2, cond=True)
+    with pytest.raises(ValueError):
+        Split.parse("1P1D+maybe")
+
+
+# Conditional disaggregation (xPyD+cond) with Fixed: the rule's stall budget next to an idle
+# decode rank is 2 decode steps of 1 row, 2 x 0.75 = 1.5 s of prefill: up to 96 tokens.
+COND = Split(prefill=1, decode=1, cond=True)
+
+
+def test_cond_short_prompt_is_prefilled_on_the_decode_rank():
+    # 64 tokens (1 s <= 1.5): the decode rank prefills (TTFT 1, no staging or transfer), then
+    # decodes alone, 0.75 s a token. Plain 1P1D: 1 + 0.125 stage, 0.25 read, 0.75 a token.
+    sim = Simulator(COND, Fixed(), synthetic(64, 3, 1), concurrency=1)
+    [r] = sim.run()
+    assert (r.ttft_s, r.e2e_s, sim.placed_local) == (1.0, 2.5, 1)
+    assert r.phases == {"prefill_wait": 0.0, "prefill": 1.0, "decode": 1.5, "prefill_stall": 0.0}
+    [pd] = simulate(Split(prefill=1, decode=1), Fixed(), synthetic(64, 3, 1), concurrency=1)
+    assert (pd.ttft_s, pd.e2e_s) == (1.125, 2.875)
+
+
+def test_cond_long_prompt_goes_to_the_idle_prefill_rank():
+    # 128 tokens: 2 s > 1.5, and the idle prefill rank saves nothing: the plain PD timeline.
+    sim = Simulator(COND, Fixed(), synthetic(128, 3, 1), concurrency=1)
+    res = sim.run()
+    assert sim.placed_local == 0
+    assert timeline(res) == timeline(simulate(Split(prefill=1, decode=1), Fixed(), synthetic(128, 3, 1), 1))
+
+
+def test_cond_second_long_prompt_goes_local_behind_a_queued_one():
+    # Two 128-token prompts at t=0. r1 -> the prefill rank (idle). r2 finds r1's 2 s queued there:
+    # (2 + 2 + 0.375) - 2 = 2.375 s saved > its 2 s local prefill -> the decode rank prefills it.
+    # Prefill rank: r1 2 + 0.125 stage -> TTFT 2.125, read -> 2.375. Decode rank: r2 0 -> 2
+    # (TTFT 2), r2 alone 2 -> 2.75, r1 + r2 2.75 -> 3.75 (r2 done), r1 alone -> 4.5 (done).
+    sim = Simulator(COND, Fixed(), synthetic(128, 3, 2), concurrency=2)
+    res = sim.run()
+    assert sim.placed_local == 1
+    assert sorted((r.ttft_s, r.e2e_s) for r in res) == [(2.0, 3.75), (2.125, 4.5)]
+    # Plain 1P1D: both prompts in one prefill step, 4 + 2 x 0.125: TTFT 4.25 for both.
+    assert [r.ttft_s for r in simulate(Split(prefill=1, decode=1), Fixed(), synthetic(128, 3, 2), 2)] == [4.25] * 2
 
 
 def test_goodput_and_summary():

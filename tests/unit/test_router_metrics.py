@@ -1,11 +1,12 @@
-"""The per-token histogram buckets exactly as prometheus_client's own Histogram does."""
+"""The per-token histogram buckets exactly as prometheus_client's own Histogram does; the
+prefill-placement counter's exposition."""
 from __future__ import annotations
 
 import random
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from pd_server.metrics import _ITL, TokenHistogram
+from pd_server.metrics import _ITL, RouterMetrics, TokenHistogram
 
 
 def test_token_histogram_matches_prometheus_histogram():
@@ -46,3 +47,13 @@ def test_token_histogram_batches_and_repeated_collections_match_prometheus_histo
         for _ in range(2):
             (a, sa), (b, sb) = split(samples(reg_a)), split(samples(reg_b))
             assert a == b and abs(sa - sb) < 1e-9 * sb
+
+
+def test_prefill_placement_counter_by_where():
+    m = RouterMetrics()
+    m.prefill_placement.labels("decode").inc()
+    m.prefill_placement.labels("decode").inc()
+    m.prefill_placement.labels("prefill").inc()
+    lines = m.render().decode().splitlines()
+    assert 'pdserve_prefill_placement_total{where="decode"} 2.0' in lines
+    assert 'pdserve_prefill_placement_total{where="prefill"} 1.0' in lines

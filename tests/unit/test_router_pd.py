@@ -1,5 +1,6 @@
 """The router's PD mode without sockets: decode-rank choice, first token and decode tokens put
-in order, abort and failure reaching both ranks, Peers on joins and deaths, phase durations."""
+in order, abort and failure reaching both ranks, Peers on joins and deaths, phase durations;
+requests --disagg places on the decode rank (booked like colocated ones there)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,9 @@ def hello(role: str, index: int) -> Hello:
 class Recorder(Dispatcher):
     """A dispatcher whose sends are recorded instead of going to a socket."""
 
-    def __init__(self) -> None:
-        super().__init__(RouterConfig(), RankRegistry(MODEL), make_policy("least-loaded"), RouterMetrics())
+    def __init__(self, disagg: str = "always") -> None:
+        super().__init__(RouterConfig(disagg=disagg), RankRegistry(MODEL), make_policy("least-loaded"),
+                         RouterMetrics())
         self.sent: list[tuple[str, object]] = []
 
     def _send(self, rank, msg) -> None:
@@ -50,11 +52,10 @@ class Recorder(Dispatcher):
         return out
 
 
-@pytest.fixture
-def disp():
+def _system(disagg: str):
     loop = asyncio.new_event_loop()  # Handle queues are asyncio.Queues
     asyncio.set_event_loop(loop)
-    d = Recorder()
+    d = Recorder(disagg)
     for role, i in (("prefill", 0), ("decode", 0), ("decode", 1)):
         d.join(role, i)
     yield d
@@ -62,6 +63,21 @@ def disp():
     d._ctx.term()
     asyncio.set_event_loop(None)
     loop.close()
+
+
+@pytest.fixture
+def disp():
+    yield from _system("always")
+
+
+@pytest.fixture
+def never():
+    yield from _system("never")
+
+
+@pytest.fixture
+def auto():
+    yield from _system("auto")
 
 
 def sampling() -> list:
@@ -142,3 +158,85 @@ def test_phase_durations_pd_and_colocated():
                                 "admission_wait": 0.4, "transfer": 0.1, "first_decode": 0.2, "decode": 6.2})
     assert phase_durations(0.5, PhaseTimes(1.0, 2.0, 3.0)) == \
         pytest.approx({"queue": 0.5, "prefill_wait": 0.0, "prefill": 1.0, "decode": 1.0})
+
+
+def placements(d) -> dict[str, float]:
+    text = d.metrics.render().decode()
+    return {w: float(ln.split()[-1]) for ln in text.splitlines() for w in ("decode", "prefill")
+            if ln.startswith(f'pdserve_prefill_placement_total{{where="{w}"}}')}
+
+
+def test_never_sends_generate_to_the_decode_rank_booked_like_colocated(never):
+    never.take()
+    h = never.submit("req", [([1, 2, 3], Sampling(max_tokens=3, temperature=0.0))] * 2, RouteRequest([1, 2, 3], 2),
+                     0.0)
+    sent = never.take()
+    assert [to for to, _ in sent] == [h.rank.name] * 2 and h.rank.role == "decode" and h.decode is None
+    assert all(isinstance(m, Generate) and m.decode_rank == -1 for _, m in sent)
+    assert set(h.sub_ids) == h.rank.inflight and not never.registry.ranks["prefill-0"].inflight
+    assert placements(never) == {"decode": 1.0}
+    from pd_server.serving import route_headers
+    assert route_headers(h, "r")["x-pdserve-decode-rank"] == h.rank.name == route_headers(h, "r")["x-pdserve-rank"]
+    a, b = h.sub_ids
+    # One stream per sub-request, straight from the decode rank: no reordering wait, usage as sent.
+    never.frame(h.rank.name, TokenBatch([TokenEvent(a, [11], "x", None, None, 3, 1, 2),
+                                         TokenEvent(b, [12], "y", None, None, 3, 1, 2)], 0.0))
+    assert [h.queue.get_nowait()[1].token_ids for _ in range(2)] == [[11], [12]]
+    never.frame(h.rank.name, TokenBatch([TokenEvent(a, [13], "z", "length", None, 3, 2, 2)], 0.0))
+    assert h.queue.get_nowait()[1].cached_tokens == 2 and h.rank.inflight == {b}
+    h.close()  # the client went away: Abort for what is left, to the decode rank only
+    assert never.take() == [(h.rank.name, Abort(b))] and not h.rank.inflight
+
+
+def test_never_needs_no_prefill_rank_and_errors_fail_only_the_decode_rank(never):
+    never._rank_died(never.registry.ranks["prefill-0"], "exited")
+    h = never.submit("a", sampling(), REQ, 0.0)
+    never.take()
+    never.frame(h.rank.name, RequestError(h.sub_ids[0], 400, "bad"))
+    assert isinstance(h.queue.get_nowait()[1], Failure)
+    assert never.take() == [(h.rank.name, Abort(h.sub_ids[0]))] and not h.rank.inflight  # idempotent there
+
+
+def test_local_request_moves_to_another_decode_rank_when_its_rank_dies_before_a_token(never):
+    h = never.submit("a", sampling(), REQ, 0.0)
+    never.take()
+    dead = h.rank
+    never._rank_died(dead, "exited")
+    other = next(r for r in never.registry.live("decode"))
+    sent = never.take()
+    assert (other.name, never.pending[h.sub_ids[0]].msg) in sent and h.sub_ids[0] in other.inflight
+    never.frame(other.name, TokenBatch([TokenEvent(h.sub_ids[0], [5], "t", completion_tokens=1)], 0.0))
+    never._rank_died(other, "exited")  # after a token: fails (nothing to move to, and output was sent)
+    assert isinstance(h.queue.get_nowait()[1], TokenEvent) and isinstance(h.queue.get_nowait()[1], Failure)
+
+
+def test_auto_places_short_prompts_on_the_decode_rank_and_long_ones_on_an_idle_prefill_rank(auto):
+    auto.take()
+    short = auto.submit("s", sampling(), REQ, 0.0)
+    assert short.rank.role == "decode" and short.decode is None
+    long_ids = list(range(1, 1001))
+    long = auto.submit("l", [(long_ids, Sampling(max_tokens=4))], RouteRequest(long_ids, 1), 0.0)
+    assert long.rank.name == "prefill-0" and long.decode is not None
+    assert placements(auto) == {"decode": 1.0, "prefill": 1.0}
+    # The long prompt is queued on prefill-0 until its first token: a second one now finds more
+    # prefill queued there than prefilling it locally costs, and goes to a decode rank.
+    second = auto.submit("l2", [(long_ids, Sampling(max_tokens=4))], RouteRequest(long_ids, 1), 0.0)
+    assert second.rank.role == "decode" and auto._queued_prefill_s(auto.registry.ranks["prefill-0"]) > 1.0
+    auto.frame("prefill-0", TokenBatch([TokenEvent(long.sub_ids[0], [9], "a", completion_tokens=1)], 0.0))
+    assert auto._queued_prefill_s(auto.registry.ranks["prefill-0"]) == 0.0  # first token in: no longer queued
+    third = auto.submit("l3", [(long_ids, Sampling(max_tokens=4))], RouteRequest(long_ids, 1), 0.0)
+    assert third.rank.name == "prefill-0"
+
+
+def test_auto_prefills_on_a_decode_rank_when_no_prefill_rank_lives(auto):
+    auto._rank_died(auto.registry.ranks["prefill-0"], "exited")
+    long_ids = list(range(1, 1001))
+    h = auto.submit("l", [(long_ids, Sampling(max_tokens=4))], RouteRequest(long_ids, 1), 0.0)
+    assert h.rank.role == "decode"
+
+
+def test_always_still_needs_a_prefill_rank(disp):
+    disp._rank_died(disp.registry.ranks["prefill-0"], "exited")
+    with pytest.raises(APIError) as e:
+        disp.submit("a", sampling(), REQ, 0.0)
+    assert e.value.status == 503

@@ -3,6 +3,7 @@ first writes it, the others map it, every rank decodes exactly what a private co
 and a file that differs in any byte, or that cannot be written, leaves the rank its own copy."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
@@ -66,7 +67,8 @@ def test_ranks_map_one_copy_and_decode_what_a_private_copy_decodes(tiny_model_di
             assert all(sw.holds(p) for p in model.parameters())
             # with AMX a shape of whole 16-column tiles has an empty packed copy (nothing to hold)
             packed = [m._packed[1] for m in model.modules() if isinstance(m, Linear) and m._packed is not None]
-            assert packed and all(sw.holds(p) for p in packed if p.numel())
+            # (none without the kernel: an AVX2-only CPU)
+            assert bool(packed) == linear.small_linear_available() and all(sw.holds(p) for p in packed if p.numel())
             # the AMX GEMM's copies (where the GEMM runs) are in the mapping too
             gemm = [m._gemm[1] for m in model.modules() if isinstance(m, Linear) and m._gemm is not None
                     and m._gemm[1] is not None]
@@ -234,3 +236,130 @@ def test_quant_copies_are_shared_and_decode_the_bits_of_the_bf16_weights(tiny_mo
         first.close()
         second.close()
         private.close()
+
+
+def _toy(seed: int, device: str = "cpu"):
+    """Linear layers with kernel copies of every kind (made up: their bytes are what matters
+    here, not the kernel's layout) and one weight tied between two layers."""
+    with torch.device(device):
+        m = torch.nn.Sequential(*(Linear(64, 128, bias=False) for _ in range(4))).to(torch.bfloat16)
+    if device == "meta":
+        return m
+    g = torch.Generator().manual_seed(seed)
+    for lin in m:
+        lin.weight = torch.nn.Parameter(torch.randn(128, 64, generator=g).bfloat16(), requires_grad=False)
+    m[3].weight = m[0].weight  # tied
+    m[0]._packed = (m[0].packed_key(), torch.randn(3, 5, generator=g).bfloat16())
+    m[1]._gemm = (m[1].gemm_key(), None)  # the GEMM does not run this shape
+    m[2]._gemm = (m[2].gemm_key(), torch.randint(0, 255, (77,), generator=g, dtype=torch.uint8))
+    m[2]._quant = (Linear.packed_key(m[2]), torch.randint(0, 255, (300,), generator=g, dtype=torch.uint8))
+    return m
+
+
+def test_a_rank_that_finds_the_file_maps_its_weights_and_kernel_copies_without_loading(tmp_path):
+    from engine.shared_weights import share_weights
+
+    writer = _toy(0)
+    want = {n: t.clone() for n, t in writer.state_dict().items()}
+    copies = {(i, a): getattr(writer[i], a)[1] for i, a in ((0, "_packed"), (2, "_gemm"), (2, "_quant"))}
+    copies = {k: v.clone() for k, v in copies.items()}
+    a = share_weights(writer, tmp_path, "toy|bfloat16")
+    reader = _toy(0, "meta")
+
+    def load():
+        raise AssertionError("a rank that finds the file must not load")
+
+    b = share_weights(reader, tmp_path, "toy|bfloat16", load)
+    assert a is not None and b is not None and (a.created, b.created) == (True, False)
+    for m, sw in ((writer, a), (reader, b)):
+        assert all(sw.holds(p) for p in m.parameters()) and not any(p.is_meta for p in m.parameters())
+        assert m.state_dict().keys() == want.keys()
+        assert all(torch.equal(t, want[n]) for n, t in m.state_dict().items())
+        assert m[3].weight is m[0].weight  # still one tensor
+        assert m[0]._packed[0] == m[0].packed_key() and torch.equal(m[0].packed_weight(), copies[0, "_packed"])
+        assert m[1]._gemm == (m[1].gemm_key(), None)
+        assert m[2]._gemm[0] == m[2].gemm_key() and torch.equal(m[2]._gemm[1], copies[2, "_gemm"])
+        assert torch.equal(m[2].quant_weight(), copies[2, "_quant"]) and m[0].quant_weight() is None
+        assert all(sw.holds(t) for t in (m[0]._packed[1], m[2]._gemm[1], m[2]._quant[1]))
+
+
+def test_ranks_that_start_together_load_once_and_all_map_it(tmp_path):
+    import threading
+
+    from engine.shared_weights import share_weights
+
+    models, loads = [_toy(0, "meta") for _ in range(4)], []
+    start, got = threading.Barrier(len(models)), [None] * len(models)
+
+    def rank(i):
+        def load():
+            loads.append(i)
+            loaded = _toy(0)
+            for dst, src in zip(models[i], loaded):
+                dst.__dict__.update({k: v for k, v in src.__dict__.items() if k in ("_packed", "_gemm", "_quant")})
+                dst._parameters = src._parameters
+        start.wait()
+        got[i] = share_weights(models[i], tmp_path, "toy|bfloat16", load)
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(loads) == 1 and all(g is not None for g in got) and len({g.inode for g in got}) == 1
+    want = _toy(0).state_dict()
+    for m in models:
+        assert all(torch.equal(t, want[n]) for n, t in m.state_dict().items())
+
+
+def test_a_file_of_another_identity_or_layout_is_not_used(tmp_path):
+    from engine.shared_weights import share_weights
+
+    assert share_weights(_toy(0), tmp_path, "toy|bfloat16") is not None
+    src = next(tmp_path.glob("*.bin"))
+    other = tmp_path / "other"
+    other.mkdir()
+    # the same file under the name of another identity (a hash collision, say): its header says whose it is
+    key = hashlib.blake2b(b"toy|float32", digest_size=12).hexdigest()
+    (other / f"{PREFIX}{key}.bin").write_bytes(src.read_bytes())
+    loads = []
+    m = _toy(0, "meta")
+    assert share_weights(m, other, "toy|float32", lambda: loads.append(1)) is None and loads == [1]
+    # a model of another layout finds the file of its identity but does not take it
+    wide = torch.nn.Sequential(*(Linear(64, 256, bias=False) for _ in range(4))).to(torch.bfloat16)
+    assert share_weights(wide, tmp_path, "toy|bfloat16") is None
+
+
+def test_the_identity_covers_the_checkpoint_bytes_and_the_kernel_settings(tmp_path, monkeypatch):
+    from engine.shared_weights import weights_identity
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 100)
+    (tmp_path / "config.json").write_text("{}")
+    base = weights_identity(tmp_path, "bfloat16")
+    assert weights_identity(tmp_path, "bfloat16") == base and weights_identity(tmp_path, "float32") != base
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 99 + b"\1")
+    changed = weights_identity(tmp_path, "bfloat16")
+    assert changed != base
+    monkeypatch.setenv("PDSERVE_QUANT_COPY", "0")
+    assert weights_identity(tmp_path, "bfloat16") != changed
+
+
+def test_an_engine_that_finds_the_file_does_not_read_the_checkpoint(tiny_model_dir, reference, tmp_path, monkeypatch):
+    from engine.models.weights import WeightLoader
+
+    model_dir = tiny_model_dir("llama_tied_linear")
+    want = reference("llama_tied_linear")
+    first = _engine(model_dir, str(tmp_path))
+
+    def refuse(*_):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(WeightLoader, "load_into", refuse)
+    second = _engine(model_dir, str(tmp_path))
+    try:
+        assert second.runner.shared_weights is not None and not second.runner.shared_weights.created
+        assert "weights" not in second.runner.load_phases
+        assert _greedy(second) == want
+    finally:
+        first.close()
+        second.close()
