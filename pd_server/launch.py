@@ -49,7 +49,8 @@ from pd_server.config import RouterConfig
 log = logging.getLogger("pd_server.launch")
 EXIT_USAGE = 2
 # GiB of shared memory per rank for its host KV cache (the engine's default is off). 0.25 GiB is
-# ~11k tokens of smollm2-135m in bf16; 2 ranks + router fit a 24 GiB box with plenty to spare.
+# ~11k tokens of smollm2-135m in bf16 (in float32 the launcher doubles it: _pools_for_dtype);
+# 2 ranks + router fit a 24 GiB box with plenty to spare.
 HOST_CACHE_GB = 0.25
 
 
@@ -239,6 +240,22 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, model_dir: 
         log.info("stopped")
 
 
+def _pools_for_dtype(engine_cfg, handoff: HandoffConfig, argv: list[str]):
+    """The host cache's and the handoff pool's default sizes hold as many tokens in float32 (the
+    dtype --dtype auto picks on a CPU without native bf16) as in bf16: twice the GiB. Sizes given
+    on the command line stay as given."""
+    scale = {"float32": 2.0}.get(engine_cfg.dtype, 1.0)
+
+    def given(flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+    if scale != 1.0 and not given("--hicache-size-gb"):
+        engine_cfg = replace(engine_cfg, hicache_size_gb=engine_cfg.hicache_size_gb * scale)
+    if scale != 1.0 and not given("--handoff-pool-gb"):
+        handoff = replace(handoff, handoff_pool_gb=handoff.handoff_pool_gb * scale)
+    return engine_cfg, handoff
+
+
 def main(argv: list[str] | None = None) -> int:
     from engine.config import EngineConfig, add_cli_args, from_cli_args
 
@@ -269,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                  launch.decode, handoff.transfer, handoff.handoff_lease_s)
     if engine_cfg.num_threads == 0:
         engine_cfg = replace(engine_cfg, num_threads=max(1, len(host_cpus()) // max(1, launch.num_ranks)))
-    log.info("%d rank(s), %d torch thread(s) each", launch.num_ranks, engine_cfg.num_threads)
+    log.info("%d rank(s), %d torch thread(s) each, %s", launch.num_ranks, engine_cfg.num_threads, engine_cfg.dtype)
+    engine_cfg, handoff = _pools_for_dtype(engine_cfg, handoff, argv if argv is not None else sys.argv[1:])
 
     from engine.model_cache import cached_model_dir, served_name
 

