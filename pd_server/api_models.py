@@ -208,3 +208,30 @@ class CompletionRequest(SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
+
+
+# ---- tokenizer endpoints (vLLM's /tokenize and /detokenize) ----------------------------------
+class TokenizeRequest(_Model):
+    """POST /tokenize: text (`prompt`) or a conversation (`messages`, rendered as chat
+    completions render it, tools included), never both."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # prompt only (a chat template writes its own)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt or messages")
+        if self.tools and self.messages is None:
+            raise ValueError("tools go with messages")
+        return self
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[TokenId]

@@ -3,6 +3,8 @@
     POST /v1/chat/completions   chat.py
     POST /v1/completions        completions.py
     GET  /v1/models             the served model
+    GET  /v1/models/{id}        that model's card (404 for another id)
+    POST /tokenize, /detokenize tokenize.py (vLLM's shapes; the router's tokenizer, no rank)
     GET  /health                every rank with role, index, pid, state, load; 503 while
                                 loading or with no live rank
     GET  /metrics               Prometheus text (metrics.py)
@@ -22,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from pd_server.api_models import ChatCompletionRequest, CompletionRequest
+from pd_server.api_models import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pd_server.chat import create_chat_completion
 from pd_server.completions import create_completion
 from pd_server.errors import APIError, error_body
@@ -31,10 +33,12 @@ from pd_server.responses import ModelCard, ModelList, to_json
 from pd_server.security import RequestGuard, api_key
 from pd_server.serving import ServerContext
 from pd_server.sse_response import with_server_send
+from pd_server.tokenize import detokenize, tokenize
 
 log = logging.getLogger("pd_server.app")
 JSON = "application/json"
-ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
+                       "/health", "/metrics"})
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "literal", "TextPart",
                         "NamedToolChoice"})
 
@@ -79,7 +83,8 @@ class RequestCounter:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            path = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            path = scope["path"]
+            path = path if path in ENDPOINTS else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
             self.ctx.metrics.requests.labels(path, str(status[0])).inc()
 
 
@@ -119,10 +124,25 @@ def build_app(ctx: ServerContext):
         check_completion(req, ctx.cfg)
         return await create_completion(req, request, ctx)
 
+    def card() -> ModelCard:
+        return ModelCard(ctx.model_name, ctx.created, ctx.registry.max_model_len, root=ctx.model_name)
+
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(ctx.model_name, ctx.created, ctx.registry.max_model_len, root=ctx.model_name)
-        return Response(to_json(ModelList([card])), media_type=JSON)
+        return Response(to_json(ModelList([card()])), media_type=JSON)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        ctx.check_model(model_id)
+        return Response(to_json(card()), media_type=JSON)
+
+    @app.post("/tokenize")
+    async def tokenize_route(req: TokenizeRequest):
+        return Response(to_json(tokenize(req, ctx)), media_type=JSON)
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest):
+        return Response(to_json(detokenize(req, ctx)), media_type=JSON)
 
     @app.get("/health")
     async def health():

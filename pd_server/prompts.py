@@ -58,8 +58,9 @@ class ChatRenderer:
         self.fallback = not self.template
         self.knows_tools = bool(self.template) and "tools" in self.template
 
-    def render(self, req: ChatCompletionRequest) -> RenderedChat:
-        """Raises a 400 when the template rejects the conversation."""
+    def render(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> RenderedChat:
+        """Raises a 400 when the template rejects the conversation. `add_generation_prompt`
+        False (/tokenize) ends the text after the last message."""
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = list(req.tools or ()) if use_tools else []
         choice = req.tool_choice
@@ -83,7 +84,7 @@ class ChatRenderer:
         kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools and self.knows_tools else {}
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False,
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                 **({"chat_template": FALLBACK_TEMPLATE} if self.fallback else {}), **kwargs)
         except Exception as e:  # noqa: BLE001 - templates raise anything (jinja2 errors, raise_exception)
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None

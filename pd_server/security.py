@@ -1,7 +1,7 @@
 """The router's front door, as pure ASGI middleware (BaseHTTPMiddleware would buffer streams).
 
 Every HTTP request passes these steps before any route sees it:
-  1. Key: with an API key set (--api-key, else $PDSERVE_API_KEY), /v1/* needs
+  1. Key: with an API key set (--api-key, else $PDSERVE_API_KEY), /v1/*, /tokenize and /detokenize need
      `Authorization: Bearer <key>`, compared in constant time; otherwise 401
      (code "invalid_api_key"). /health and /metrics stay open for probes and scrapers.
   2. Declared size: a Content-Length over --max-body-bytes is a 413 before a byte of the
@@ -27,6 +27,12 @@ from pd_server.errors import APIError, error_body
 from pd_server.responses import to_json
 
 PROTECTED_PREFIX = "/v1/"
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})  # vLLM's, outside /v1: keyed as well
+
+
+def protected(path: str) -> bool:
+    """Whether `path` needs the API key (when one is set)."""
+    return path.startswith(PROTECTED_PREFIX) or path in PROTECTED_PATHS
 
 
 def api_key(cfg: RouterConfig, environ: Mapping[str, str] = os.environ) -> str:
@@ -66,7 +72,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])  # ASGI: lower-cased names; a repeated header keeps its last value
-        if self.key and scope["path"].startswith(PROTECTED_PREFIX) and \
+        if self.key and protected(scope["path"]) and \
                 not key_matches(headers.get(b"authorization"), self.key):
             missing = b"authorization" not in headers
             msg = ("missing API key: send 'Authorization: Bearer <key>'" if missing

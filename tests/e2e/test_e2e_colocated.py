@@ -200,6 +200,44 @@ def test_errors(colocated_system, client):
     assert httpx.get(colocated_system.url + "/v1/nothing").status_code == 404
 
 
+def test_tokenize_detokenize_and_the_model_card(colocated_system, client, engine):
+    """vLLM's /tokenize and /detokenize on the router's tokenizer; GET /v1/models/{id}."""
+    url, tok = colocated_system.url, engine.tokenizer
+    text = "What is the capital of France? Ünïcödé 漢字"
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True})
+    body = r.json()
+    ids = tok(text).input_ids
+    assert r.status_code == 200 and body["tokens"] == ids and body["count"] == len(ids), r.text
+    assert body["max_model_len"] == client.models.retrieve(MODEL).model_extra["max_model_len"] > 0
+    assert body["token_strs"] == tok.convert_ids_to_tokens(ids)
+    # a conversation: the ids a chat completion of it prefills (its usage counts them)
+    chat = httpx.post(url + "/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == chat_prompt_ids(engine, MESSAGES) and "token_strs" in chat
+    done = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    assert done.usage.prompt_tokens == chat["count"]
+    bare = httpx.post(url + "/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == tok.apply_chat_template(MESSAGES, add_generation_prompt=False, tokenize=True,
+                                                     return_dict=False)
+    back = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": ids})
+    assert back.status_code == 200 and back.json() == {"prompt": tok.decode(ids)}
+    # bad input: each API's error shape, the field named
+    for path, bad, status, param in (("/detokenize", {"tokens": [10**6]}, 400, "tokens.0"),
+                                     ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+                                     ("/tokenize", {}, 400, None),
+                                     ("/tokenize", {"prompt": "x", "messages": MESSAGES}, 400, None),
+                                     ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model")):
+        r = httpx.post(url + path, json=bad)
+        err = r.json()["error"]
+        assert r.status_code == status and set(err) == {"message", "type", "param", "code"}, r.text
+        assert err["param"] == param, r.text
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.response.json()["error"]["code"] == "model_not_found"
+    metrics = httpx.get(url + "/metrics").text
+    assert 'endpoint="/tokenize",status="200"' in metrics and 'endpoint="/v1/models/{id}",status="404"' in metrics
+
+
 def _idle(system) -> bool:
     return all(r["running"] == 0 and r["waiting"] == 0 and r["pages_used"] == 0 and r["inflight"] == 0
                for r in system.ranks().values())

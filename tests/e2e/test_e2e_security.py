@@ -44,8 +44,10 @@ def check_key(system, key: str) -> None:
         err = e.value.response.json()["error"]
         assert err["code"] == "invalid_api_key" and err["type"] == "authentication_error"
         assert set(err) == {"message", "type", "param", "code"}
-    for path in ("/v1/models", "/v1/chat/completions", "/v1/completions"):
-        resp = httpx.request("GET" if path == "/v1/models" else "POST", system.url + path, json={}, timeout=10)
+    for path in ("/v1/models", f"/v1/models/{MODEL}", "/v1/chat/completions", "/v1/completions", "/tokenize",
+                 "/detokenize"):
+        resp = httpx.request("GET" if path.startswith("/v1/models") else "POST", system.url + path, json={},
+                             timeout=10)
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", resp.text
     with client(system, key) as c:
         out = c.completions.create(model=MODEL, prompt="hi", max_tokens=3)
@@ -53,6 +55,9 @@ def check_key(system, key: str) -> None:
         chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert chat.choices[0].finish_reason == "length"
         assert [m.id for m in c.models.list().data] == [MODEL]
+    auth = {"authorization": f"Bearer {key}"}
+    tok = httpx.post(system.url + "/tokenize", json={"prompt": "hi"}, headers=auth, timeout=10)
+    assert tok.status_code == 200 and tok.json()["count"] >= 1, tok.text
     assert httpx.get(system.url + "/health", timeout=10).status_code == 200
     metrics = httpx.get(system.url + "/metrics", timeout=10).text
     assert 'endpoint="/v1/completions",status="401"' in metrics
