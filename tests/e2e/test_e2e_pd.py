@@ -31,7 +31,7 @@ MODEL = "smollm2-135m-instruct"
 # (chunked prefill across the handoff; aborts and kills that land between steps).
 COMMON = ["--model", MODEL, "--kv-cache-gb", "0.25", "--num-threads", "1", "--max-num-seqs", "16",
           "--max-num-batched-tokens", "512",
-          "--handoff-pool-gb", "0.1"]
+          "--handoff-pool-gb", "0.2"]  # ~4.5k tokens in float32 (--dtype auto on a CPU without native bf16)
 # Every prompt through a prefill rank and its handoff, which most tests here test (auto would
 # prefill short prompts on the decode rank; `pd_local` tests that path).
 HANDOFF = [*COMMON, "--disagg", "always"]
