@@ -62,3 +62,29 @@ def test_engine_config_validation_and_cli_roundtrip():
     add_cli_args(ap, EngineConfig)
     cfg = from_cli_args(ap.parse_args(["--page-size", "32", "--max-num-seqs", "7"]), EngineConfig)
     assert cfg.page_size == 32 and cfg.max_num_seqs == 7
+
+
+def test_dtype_auto_is_bf16_only_where_it_runs_natively(monkeypatch):
+    from engine import config
+
+    for native, cpu in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(config, "cpu_has_bf16", lambda native=native: native)
+        assert EngineConfig().dtype == EngineConfig(dtype="auto").dtype == cpu
+        assert EngineConfig(dtype="auto", device="cuda").dtype == "bfloat16"
+        assert EngineConfig(dtype="bf16").dtype == "bfloat16" and EngineConfig(dtype="fp32").dtype == "float32"
+    with pytest.raises(ValueError, match="auto or one of"):
+        EngineConfig(dtype="int8")
+
+
+def test_the_launchers_pools_hold_as_many_tokens_in_float32():
+    from decode.config import HandoffConfig
+    from pd_server.launch import _pools_for_dtype
+
+    hand = HandoffConfig(handoff_pool_gb=0.25)
+    e, h = _pools_for_dtype(EngineConfig(dtype="float32", hicache_size_gb=0.25), hand, [])
+    assert (e.hicache_size_gb, h.handoff_pool_gb) == (0.5, 0.5)
+    e, h = _pools_for_dtype(EngineConfig(dtype="float32", hicache_size_gb=0.25), hand,
+                            ["--hicache-size-gb=0.25", "--handoff-pool-gb", "0.25"])
+    assert (e.hicache_size_gb, h.handoff_pool_gb) == (0.25, 0.25)  # given: kept
+    e, h = _pools_for_dtype(EngineConfig(dtype="bfloat16", hicache_size_gb=0.25), hand, [])
+    assert (e.hicache_size_gb, h.handoff_pool_gb) == (0.25, 0.25)
