@@ -28,7 +28,6 @@ request instead when the router goes away (RouterLost) and joins the next router
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import queue
@@ -42,6 +41,7 @@ from decode.config import HandoffConfig, RankConfig
 from decode.faults import FAULT_ENV, faults_for
 from decode.peer_link import PeerMessage, PeerSockets
 from decode.rank_link import RankLink, RouterLost
+from decode.rank_setup import load_engine, make_transfer
 from pd_server.cli_args import add_dataclass_args, from_args
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.prefill_decode import PAGES_REGION, STATES_REGION, Handoff, PeerHello
@@ -296,44 +296,6 @@ class DecodeLoop(RankLoop):
     def _forget(self, rid: str) -> None:
         super()._forget(rid)
         self._pd.pop(rid, None)
-
-
-def load_engine(engine_cfg, warmup: bool):
-    """The rank's engine, loaded (and warmed up); logs the time of each load phase."""
-    t = time.perf_counter()
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    imports = time.perf_counter() - t
-    engine = LLMEngine(engine_cfg)
-    phases = {"imports": imports, **engine.load_phases}
-    if warmup:
-        # First steps' one-off costs (kernel JIT, allocator growth; a sampled row) before Hello.
-        t = time.perf_counter()
-        engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=1.0, seed=0))
-        phases["warmup"] = time.perf_counter() - t
-    gc.freeze()  # what is loaded (~350k objects) out of the cyclic GC's passes: a full one took ~100 ms
-    log.info("load phases: %s (%.1fs in all, %.1fs since the process started)",
-             ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), sum(phases.values()), _process_age_s())
-    return engine
-
-
-def _process_age_s() -> float:
-    """Seconds since this process started (from /proc; 0 where that cannot be read)."""
-    try:
-        start_ticks = int(open("/proc/self/stat").read().rpartition(")")[2].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def make_transfer(handoff: HandoffConfig, cfg: RankConfig):
-    """The rank's transfer backend (the choice is logged by make_backend)."""
-    from hicache.transfer import make_backend
-
-    # Only prefill ranks serve reads. NOTE: a NIXL progress thread on the reading side
-    # spins on the UCX lock the copy holds and halves large reads (hicache/transfer).
-    return make_backend(handoff.transfer, f"{cfg.name}-{os.getpid()}", serves_peers=cfg.role == "prefill")
 
 
 def hello_for(cfg: RankConfig, engine_cfg, engine, peer_addr: str = "") -> Hello:

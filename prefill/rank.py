@@ -39,7 +39,8 @@ from collections import deque
 import msgspec
 
 from decode.peer_link import PeerMessage, PeerSockets
-from decode.rank import RankLoop, hello_for, load_engine, make_transfer, parse_rank_args, serve
+from decode.rank import RankLoop, hello_for, parse_rank_args, serve
+from decode.rank_setup import load_engine, make_transfer
 from decode.rank_link import RankLink
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes,
