@@ -29,6 +29,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVPool, SwaState
 from engine.model_cache import cached_model_dir
 from engine.model_runner import ModelRunner
@@ -110,6 +111,9 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._imports: dict[str, KVExport] = {}
         self.eos_ids = frozenset(self.model_cfg.eos_token_ids)
+        # Constrained requests (SamplingParams.grammar): the tokenizer loads on the first one.
+        self.grammars = GrammarCompiler(lambda: self.tokenizer, self.model_cfg.vocab_size,
+                                        list(self.model_cfg.eos_token_ids))
         self._reserved = 0  # outstanding KVReservations (they count against max_num_seqs)
         # PD prefill rank: called on a prefill-only sequence that got its first token and goes
         # on elsewhere, before its pages are freed; copies its KV out (pages + SWA slot) and
@@ -154,7 +158,8 @@ class LLMEngine:
         """Queue a request. Raises ValueError (nothing queued) on invalid input."""
         prompt_ids = list(prompt_ids)
         self._validate(request_id, prompt_ids)
-        seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only)
+        seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only,
+                       matcher=self._matcher(params, []))
         self._track(seq)
 
     def add_imported(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
@@ -164,7 +169,8 @@ class LLMEngine:
         self._validate(request_id, prompt_ids)
         if kv.num_tokens != len(prompt_ids):
             raise ValueError("kv export does not cover the prompt")
-        seq = Sequence(request_id, prompt_ids, params, output_ids=list(output_ids))
+        seq = Sequence(request_id, prompt_ids, params, output_ids=list(output_ids),
+                       matcher=self._matcher(params, output_ids))
         self._imports[request_id] = kv
         self._track(seq)
         det = self._detok[request_id]
@@ -204,16 +210,25 @@ class LLMEngine:
             self._validate(request_id, prompt_ids)
             if res.num_tokens != len(prompt_ids) or not output_ids:
                 raise ValueError("reservation does not cover the prompt, or no first token")
+            matcher = self._matcher(params, output_ids)
         except ValueError:
             self.release_kv(res)
             raise
         self._reserved -= 1
         seq = Sequence(request_id, prompt_ids, params, output_ids=list(output_ids), pages=res.pages,
-                       swa_slot=res.swa_slot, num_computed=res.num_tokens, num_cached_prompt=cached_tokens)
+                       swa_slot=res.swa_slot, num_computed=res.num_tokens, num_cached_prompt=cached_tokens,
+                       matcher=matcher)
         self._track(seq, running=True)
         det = self._detok[request_id]
         for t in output_ids:
             det.append(t)
+
+    def _matcher(self, params: SamplingParams, output_ids: list[int]):
+        """The grammar matcher of a request (None without a grammar), having accepted the
+        tokens it generated elsewhere. Raises ValueError (GrammarError) on a bad grammar."""
+        if params.grammar is None:
+            return None
+        return self.grammars.matcher(params.grammar, output_ids)
 
     def _track(self, seq: Sequence, running: bool = False) -> None:
         p = seq.params
@@ -312,7 +327,13 @@ class LLMEngine:
         p = seq.params
         text, stop_str = self._detok[seq.request_id].append(tok)
         reason = None
-        if stop_str is not None:
+        if seq.matcher is not None and not seq.matcher.accept_token(tok):
+            # The mask allowed only what the grammar accepts: a token it refuses is a bug.
+            log.error("request %s: token %d does not follow its grammar; ending it", seq.request_id, tok)
+            reason = FinishReason.STOP
+        elif seq.matcher is not None and seq.matcher.is_terminated():
+            reason = FinishReason.STOP  # the grammar is complete and took an end-of-sequence token
+        elif stop_str is not None:
             reason, seq.stop_str = FinishReason.STOP, stop_str
         elif (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = FinishReason.STOP

@@ -9,6 +9,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import build_forward_batch
+from engine.grammar import mask_logits
 from engine.kv_cache import KVPool
 from engine.models import build_model
 from engine.models.weights import WeightLoader
@@ -91,16 +92,20 @@ class ModelRunner:
             return rows, None
         logits = self.model.compute_logits(hidden)  # [S, V] float32
         self._mask_early_stop(rows, logits)
+        constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
+        if constrained:
+            mask_logits(logits, constrained, [rows[i].matcher for i in constrained])
         batch = SamplingBatch.build([s.params for s in rows], [s.prompt_ids for s in rows],
                                     [s.output_ids for s in rows], logits.shape[1], self.device)
         return rows, self.sampler(logits, batch)
 
     def _mask_early_stop(self, rows: list[Sequence], logits: torch.Tensor) -> None:
-        """min_tokens: stop tokens cannot be sampled before a row has min_tokens outputs."""
+        """min_tokens: stop tokens cannot be sampled before a row has min_tokens outputs (not
+        under a grammar, which decides where the output may end)."""
         eos = self.model_cfg.eos_token_ids
         for i, seq in enumerate(rows):
             p = seq.params
-            if p.min_tokens and len(seq.output_ids) < p.min_tokens:
+            if p.min_tokens and len(seq.output_ids) < p.min_tokens and seq.matcher is None:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
                 if ids:
                     logits[i, ids] = float("-inf")

@@ -248,7 +248,8 @@ class Sampler:
             token_ids = self._sample(apply_penalties(logits, batch), batch)
         if batch.max_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
-        raw = logits.to(torch.float32).log_softmax(dim=-1)  # [B, V]
+        # -9999 for a token a grammar masked (-inf), as vLLM reports it: JSON has no -Infinity.
+        raw = logits.to(torch.float32).log_softmax(dim=-1).clamp_min_(-9999.0)  # [B, V]
         chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top_logprobs, top_ids = raw.topk(batch.max_logprobs, dim=-1, sorted=True)
         return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.grammar import GrammarSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -16,6 +18,10 @@ class SamplingParams:
     seed: same seed and same inputs give the same tokens, whatever else is batched.
     logprobs: None for none, else the number of top alternatives (0..20) returned
     beside the chosen token's own logprob.
+    grammar: a GrammarSpec (or its wire form, a (kind, text) pair) the output must follow
+    (engine/grammar.py); None for free text. Under a grammar the grammar decides where the
+    output may end (min_tokens does not hold its end-of-sequence back, and ignore_eos does not
+    carry it past a complete grammar).
     Raises ValueError naming the field on any invalid value.
     """
 
@@ -36,6 +42,7 @@ class SamplingParams:
     # Per-request switch for the host prefix cache (issue: hicache).
     prefix_cache: bool = True
     include_stop_str_in_output: bool = False
+    grammar: GrammarSpec | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -43,6 +50,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "grammar", GrammarSpec.coerce(self.grammar))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:

@@ -46,6 +46,9 @@ class Sequence:
     # Host prefix cache: ascending positions where the prompt is written through after
     # the step that reaches them; a chunk never crosses the next one (num_schedulable).
     store_points: list[int] = field(default_factory=list)
+    # The request's xgrammar GrammarMatcher (engine/grammar.py), advanced by every output token;
+    # None without a grammar.
+    matcher: object | None = field(default=None, repr=False)
 
     @property
     def token_ids(self) -> list[int]:

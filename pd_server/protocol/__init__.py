@@ -28,7 +28,8 @@ from typing import Literal
 # CacheEvents message (host-cache store/evict events for cache-aware routing). 4: a decode rank
 # serves a Generate (decode_rank -1) by prefilling it itself (conditional disaggregation, --disagg),
 # and its Hello names its host cache (cache_root) and it sends CacheEvents like a prefill rank.
-PROTOCOL_VERSION = 4
+# 5: Sampling.grammar (a constrained request's (kind, text); also in Handoff.sampling).
+PROTOCOL_VERSION = 5
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (pd_server/cluster_auth.py).
 # The largest legitimate frames: a Generate or Handoff of a 1M-token prompt (<= 5 bytes per id in

@@ -56,6 +56,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     min_tokens: int = 0
     prefix_cache: bool = True
     include_stop_str_in_output: bool = False
+    grammar: tuple[str, str] | None = None  # (kind, text): engine.grammar.GrammarSpec
 
 
 class Generate(msgspec.Struct, frozen=True, array_like=True, tag="generate"):
