@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: render, validate, submit, then stream chunks or build one response.
 
   1. check the model (404), render the conversation (prompts.py), check the prompt and fit
-     max_tokens to the context (400), build one Sampling per choice (n).
+     max_tokens to the context (400), compile the grammar of response_format / a forced
+     tool_choice (structured.py; 400 when invalid or too slow), build one Sampling per choice (n).
   2. submit all choices to one rank (dispatcher.py): 503 none live, 429 all full.
   3. streaming: one chunk per token event, each choice's first chunk carries the role;
      tool calls (when tools are in play) come out as tool-call deltas once a call is
@@ -27,6 +28,7 @@ from pd_server.routing import RouteRequest
 from pd_server.sampling import check_prompt, fit_max_tokens, make_sampling
 from pd_server.serving import Choice, ServerContext, chat_logprobs, collect, new_request_id, route_headers, usage
 from pd_server.sse_response import SSEStream
+from pd_server.structured import compile_in_time, grammar_for
 from pd_server.tool_parser import ParsedToolCall, ToolCallParser, parse_tool_calls
 
 JSON = "application/json"
@@ -40,7 +42,11 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
     check_prompt(chat.prompt_ids, max_len, vocab, "messages")
     max_tokens = fit_max_tokens(req.requested_max_tokens, len(chat.prompt_ids), max_len, "max_tokens",
                                 ctx.cfg.max_tokens_limit)
-    work = [(chat.prompt_ids, make_sampling(req, max_tokens, req.num_logprobs, i, chat.extra_stop))
+    spec = grammar_for(req)
+    if spec is not None:
+        await compile_in_time(ctx.grammar_compiler(vocab), spec, ctx.cfg.grammar_timeout_s)
+    grammar = spec.as_wire() if spec is not None else None
+    work = [(chat.prompt_ids, make_sampling(req, max_tokens, req.num_logprobs, i, chat.extra_stop, grammar))
             for i in range(req.n)]
     first_user = next((m.text for m in req.messages if m.role == "user"), "")
     rid = new_request_id("chatcmpl")

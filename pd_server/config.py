@@ -48,7 +48,11 @@ class RouterConfig:
     max_stop: int = opt(16, "stop strings per request; past it: 400")
     max_stop_chars: int = opt(512, "characters in one stop string; past it: 400")
     max_tools: int = opt(128, "tools per chat request; past it: 400")
-    max_tool_schema_bytes: int = opt(32768, "JSON size of one tool's definition; past it: 400")
+    max_tool_schema_bytes: int = opt(32768, "JSON size of one tool's definition or of a response_format "
+                                            "schema; past it: 400")
+    grammar_timeout_s: float = opt(10.0, "a structured-output request's grammar (response_format json_schema, "
+                                         "tool_choice required or named) must compile within this many "
+                                         "seconds; else 400")
     max_prompts: int = opt(128, "prompts in one /v1/completions request; past it: 400")
 
     def __post_init__(self) -> None:
@@ -62,7 +66,7 @@ class RouterConfig:
             raise ValueError(f"rank_addr must be tcp:// or ipc://, got {self.rank_addr!r}")
         if self.disagg not in DISAGG_MODES:
             raise ValueError(f"disagg must be one of {DISAGG_MODES}, got {self.disagg!r}")
-        for name in ("body_timeout_s", "header_timeout_s"):
+        for name in ("body_timeout_s", "header_timeout_s", "grammar_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_body_bytes", "max_messages", "max_tokens_limit", "max_n", "max_stop", "max_stop_chars",

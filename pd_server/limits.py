@@ -48,6 +48,14 @@ def check_chat(req: ChatCompletionRequest, cfg: RouterConfig) -> None:
         except RecursionError:  # NOTE: parsing allows deeper nesting than encoding from a deeper stack
             raise bad_request(f"{param}: the schema is nested too deeply", param) from None
         _at_most(size, cfg.max_tool_schema_bytes, "the definition's JSON size in bytes", param)
+    fmt = req.response_format
+    if fmt is not None and fmt.json_schema is not None:
+        try:
+            size = len(msgspec.json.encode(fmt.json_schema))
+        except RecursionError:
+            raise bad_request("response_format.json_schema: the schema is nested too deeply",
+                              "response_format") from None
+        _at_most(size, cfg.max_tool_schema_bytes, "the schema's JSON size in bytes", "response_format")
 
 
 def check_completion(req: CompletionRequest, cfg: RouterConfig) -> None:

@@ -40,7 +40,7 @@ def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, p
 
 
 def make_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None, seed_offset: int,
-                  extra_stop: tuple[str, ...] = ()) -> Sampling:
+                  extra_stop: tuple[str, ...] = (), grammar: tuple[str, str] | None = None) -> Sampling:
     """The Sampling of choice `seed_offset` (n > 1 with a seed: seed + i, so choices differ
     yet the request as a whole reproduces). Raises a 400 naming the field on bad values."""
     seed = None if req.seed is None else (req.seed + seed_offset) % 2**63
@@ -59,6 +59,7 @@ def make_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None, s
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         min_tokens=req.min_tokens,
+        grammar=grammar,
     )
     try:
         SamplingParams(**msgspec.structs.asdict(s))

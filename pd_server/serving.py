@@ -35,6 +35,7 @@ class ServerContext:
     metrics: RouterMetrics
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
+    _grammars: object = None  # engine.grammar.GrammarCompiler, made on the first structured request
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_aliases:
@@ -49,6 +50,16 @@ class ServerContext:
             raise APIError(503, "the model is still loading; retry shortly" if status == "loading"
                            else "no live rank can serve this model")
         return min(h.max_model_len for h in live), min(h.vocab_size for h in live)
+
+    def grammar_compiler(self, vocab_size: int):
+        """The router's grammar compiler (structured.py) for the ranks' vocabulary size."""
+        from engine.grammar import GrammarCompiler
+
+        g = self._grammars
+        if g is None or g.vocab_size != vocab_size:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            g = self._grammars = GrammarCompiler(lambda: self.tokenizer, vocab_size, [] if eos is None else [eos])
+        return g
 
     def token_text(self, token_id: int) -> str:
         t = self._token_text.get(token_id)

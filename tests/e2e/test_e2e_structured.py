@@ -1,0 +1,177 @@
+"""Structured outputs through a started system, with the official openai client: response_format
+json_schema / json_object and tool_choice required / named, streaming and not, colocated and PD
+(every prompt through a prefill rank: its first token is sampled under the grammar there, the decode
+rank rebuilds the matcher), greedy PD output equal to colocated's, and bad schemas as 400s."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.e2e.conftest import start_system, stop_system
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 30},
+                                           "sights": {"type": "array", "items": {"type": "string", "maxLength": 24},
+                                                      "maxItems": 3}},
+          "required": ["city", "days", "sights"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 32}}, "required": ["timezone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+                                           "parameters": TIME}}]
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def pd_system(tmp_path_factory):
+    system = start_system(tmp_path_factory.mktemp("pd-structured"),
+                          ["--prefill", "1", "--decode", "1", "--transfer", "shm", "--disagg", "always",
+                           "--model", MODEL, "--kv-cache-gb", "0.25", "--num-threads", "1", "--max-num-seqs", "16",
+                           "--handoff-pool-gb", "0.2", "--hicache-size-gb", "0"], timeout=420)
+    try:
+        yield system
+    finally:
+        stop_system(system)
+
+
+@pytest.fixture(params=["colocated", "pd"])
+def system(request):
+    return request.getfixturevalue("colocated_system" if request.param == "colocated" else "pd_system")
+
+
+_CLIENTS: dict[str, openai.OpenAI] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_clients():
+    yield
+    for c in _CLIENTS.values():
+        c.close()
+    _CLIENTS.clear()
+
+
+def _client(system) -> openai.OpenAI:
+    """One client per system for the module (closed at its end)."""
+    if system.url not in _CLIENTS:
+        _CLIENTS[system.url] = openai.OpenAI(base_url=system.url + "/v1", api_key="unused", max_retries=0,
+                                             timeout=300)
+    return _CLIENTS[system.url]
+
+
+def _validate(obj, schema):
+    """The schemas above, checked by hand (types, required, enum, bounds, no extra keys)."""
+    t = schema["type"]
+    if t == "object":
+        assert isinstance(obj, dict) and set(schema["required"]) <= set(obj) <= set(schema["properties"]), obj
+        for k, v in obj.items():
+            _validate(v, schema["properties"][k])
+    elif t == "array":
+        assert isinstance(obj, list) and len(obj) <= schema.get("maxItems", 10**9)
+        for v in obj:
+            _validate(v, schema["items"])
+    elif t == "string":
+        assert isinstance(obj, str) and len(obj) <= schema.get("maxLength", 10**9)
+        assert "enum" not in schema or obj in schema["enum"]
+    elif t == "integer":
+        assert isinstance(obj, int) and schema.get("minimum", obj) <= obj <= schema.get("maximum", obj)
+
+
+def _schema_request(i: int = 0, **kw):
+    return dict(model=MODEL, max_tokens=120, temperature=0,
+                messages=[{"role": "user", "content": f"Plan trip number {i} to a European city, as JSON."}],
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}}, **kw)
+
+
+def test_json_schema_and_object(system):
+    c = _client(system)
+    r = c.chat.completions.create(**_schema_request())
+    assert r.choices[0].finish_reason == "stop"
+    _validate(json.loads(r.choices[0].message.content), SCHEMA)
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe a cat in JSON."}],
+                                  max_tokens=80, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"  # (a sampled number can run past max_tokens: "length")
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    # Streaming gives the same text, chunk by chunk.
+    chunks = c.chat.completions.create(**_schema_request(), stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == c.chat.completions.create(**_schema_request()).choices[0].message.content
+
+
+def test_pd_equals_colocated_under_a_grammar(colocated_system, pd_system):
+    for body in (_schema_request(3), dict(model=MODEL, messages=ASK, max_tokens=80, temperature=0, tools=TOOLS,
+                                          tool_choice="required", parallel_tool_calls=False)):
+        a = _client(colocated_system).chat.completions.create(**body).choices[0].message
+        b = _client(pd_system).chat.completions.create(**body).choices[0].message
+        assert a.content == b.content
+        assert [(k.function.name, k.function.arguments) for k in a.tool_calls or ()] == \
+               [(k.function.name, k.function.arguments) for k in b.tool_calls or ()]
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_tool_calls(system, choice):
+    c = _client(system)
+    tool_choice = {"type": "function", "function": {"name": "get_time"}} if choice == "named" else "required"
+    r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=0, tools=TOOLS,
+                                  tool_choice=tool_choice, parallel_tool_calls=False)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and not ch.message.content
+    assert len(ch.message.tool_calls) == 1
+    call = ch.message.tool_calls[0]
+    schemas = {"get_weather": WEATHER, "get_time": TIME}
+    assert call.function.name == "get_time" if choice == "named" else call.function.name in schemas
+    _validate(json.loads(call.function.arguments), schemas[call.function.name])
+    # Streamed, the tool-call deltas assemble to the same call.
+    stream = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=0, tools=TOOLS,
+                                       tool_choice=tool_choice, parallel_tool_calls=False, stream=True)
+    name, args, reasons = "", "", []
+    for chunk in stream:
+        for d in chunk.choices:
+            for k in d.delta.tool_calls or ():
+                name += k.function.name or ""
+                args += k.function.arguments or ""
+            reasons.append(d.finish_reason)
+    assert (name, args) == (call.function.name, call.function.arguments) and reasons[-1] == "tool_calls"
+
+
+def test_sixteen_concurrent_constrained_requests(colocated_system):
+    """16 at once, mixed with free-text ones, sampled: every constrained output validates."""
+    c = _client(colocated_system)
+
+    def one(i):
+        if i % 4 == 3:
+            return None, c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Hi {i}"}],
+                                                   max_tokens=20)
+        return i, c.chat.completions.create(**{**_schema_request(i), "temperature": 0.8, "seed": i})
+
+    with ThreadPoolExecutor(16) as ex:
+        results = list(ex.map(one, range(16)))
+    for i, r in results:
+        if i is not None:
+            assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+            _validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "Unsupported type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
+])
+def test_bad_schemas_are_400(colocated_system, body, match):
+    with pytest.raises(openai.BadRequestError, match=match) as e:
+        _client(colocated_system).chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **body)
+    assert e.value.body["type"] == "invalid_request_error"
