@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,6 +23,7 @@ from pd_server.api_models import ChatCompletionRequest
 from pd_server.errors import APIError, error_body
 from pd_server.prompts import RenderedChat
 from pd_server.protocol.rank_router import TokenEvent
+from pd_server.request_state import Handle
 from pd_server.responses import (ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatMessageOut, Delta,
                                  FunctionDelta, FunctionOut, ToolCallDelta, ToolCallOut, to_json)
 from pd_server.routing import RouteRequest
@@ -34,7 +36,18 @@ from pd_server.tool_parser import ParsedToolCall, ToolCallParser, parse_tool_cal
 JSON = "application/json"
 
 
-async def create_chat_completion(req: ChatCompletionRequest, request: Request, ctx: ServerContext) -> Response:
+@dataclass
+class Submitted:
+    """A chat request rendered, checked and submitted: what a handler renders the answer from."""
+
+    chat: RenderedChat
+    handle: Handle
+    rid: str
+    headers: dict[str, str]
+
+
+async def submit_chat(req: ChatCompletionRequest, ctx: ServerContext, prefix: str = "chatcmpl") -> Submitted:
+    """Steps 1-2 for any API that speaks chat (this one, Responses, Messages): raises APIError."""
     arrival = time.perf_counter()
     ctx.check_model(req.model)
     max_len, vocab = ctx.limits()
@@ -49,17 +62,22 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
     work = [(chat.prompt_ids, make_sampling(req, max_tokens, req.num_logprobs, i, chat.extra_stop, grammar))
             for i in range(req.n)]
     first_user = next((m.text for m in req.messages if m.role == "user"), "")
-    rid = new_request_id("chatcmpl")
+    rid = new_request_id(prefix)
     handle = ctx.dispatcher.submit(rid, work, RouteRequest(chat.prompt_ids, req.n, first_user), arrival)
-    headers = route_headers(handle, rid)
+    return Submitted(chat, handle, rid, route_headers(handle, rid))
+
+
+async def create_chat_completion(req: ChatCompletionRequest, request: Request, ctx: ServerContext) -> Response:
+    sub = await submit_chat(req, ctx)
+    chat, handle, rid = sub.chat, sub.handle, sub.rid
     if req.stream:
-        return SSEStream(handle, _ChatStream(ctx, req, chat, handle, rid), headers)
+        return SSEStream(handle, _ChatStream(ctx, req, chat, handle, rid), sub.headers)
     choices = await collect(handle, request.receive)
     body = ChatCompletion(rid, int(time.time()), ctx.model_name,
                           [_choice(ctx, req, chat, i, c) for i, c in enumerate(choices)], usage(choices))
     if req.return_token_ids:
         body.prompt_token_ids = chat.prompt_ids
-    return Response(to_json(body), media_type=JSON, headers=headers)
+    return Response(to_json(body), media_type=JSON, headers=sub.headers)
 
 
 def _choice(ctx: ServerContext, req: ChatCompletionRequest, chat: RenderedChat, i: int, c: Choice) -> ChatChoice:
