@@ -48,7 +48,9 @@ _CONTENT_TYPE = (b"content-type", f"{sse.MEDIA_TYPE}; charset=utf-8".encode())
 
 
 class StreamRenderer(Protocol):
-    """Turns one request's events into SSE bytes (sse.event framing, one event per chunk)."""
+    """Turns one request's events into SSE bytes (sse.event framing, one event per chunk).
+    A renderer may set `done` (bytes after the tail; default sse.DONE, OpenAI's
+    `data: [DONE]`): the Responses and Messages APIs end with their own last event, b""."""
 
     def head(self) -> bytes:
         """Events to send before the first token (b"": none)."""
@@ -196,7 +198,8 @@ class SSEStream(Response):
             finally:
                 handle.queue.eager = None
             await self._settle()
-            await out({"type": "http.response.body", "body": body + sse.DONE, "more_body": False})
+            done = getattr(renderer, "done", sse.DONE)
+            await out({"type": "http.response.body", "body": body + done, "more_body": False})
         finally:
             watch.cancel()
             if self._busy is not None:
