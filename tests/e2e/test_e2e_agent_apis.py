@@ -1,7 +1,11 @@
-"""Structured outputs through a started system, with the official openai client: response_format
-json_schema / json_object and tool_choice required / named, streaming and not, colocated and PD
-(every prompt through a prefill rank: its first token is sampled under the grammar there, the decode
-rank rebuilds the matcher), greedy PD output equal to colocated's, and bad schemas as 400s."""
+"""The agent-facing OpenAI APIs through a started system, with the official openai client, colocated
+and PD (every prompt through a prefill rank: its first token is sampled under the grammar there,
+the decode rank rebuilds the matcher):
+  * structured outputs on chat completions: response_format json_schema / json_object and
+    tool_choice required / named, streaming and not, greedy PD output equal to colocated's, 16
+    concurrent constrained requests, bad schemas as 400s;
+  * the Responses API (/v1/responses): text, instructions, function calls and their outputs,
+    text.format json_schema, streaming events, usage, unsupported input as 400s."""
 from __future__ import annotations
 
 import json
@@ -175,3 +179,65 @@ def test_bad_schemas_are_400(colocated_system, body, match):
     with pytest.raises(openai.BadRequestError, match=match) as e:
         _client(colocated_system).chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **body)
     assert e.value.body["type"] == "invalid_request_error"
+
+
+# ---- the Responses API ---------------------------------------------------------------------------
+FLAT_TOOLS = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+               "parameters": t["function"]["parameters"]} for t in TOOLS]
+
+
+def test_responses_text_stream_and_usage(system):
+    c = _client(system)
+    kw = dict(model=MODEL, input="Name three colours.", instructions="You are terse.", max_output_tokens=60,
+              temperature=0)
+    r = c.responses.create(**kw)
+    assert r.object == "response" and r.status in ("completed", "incomplete") and r.output_text
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    chat = c.chat.completions.create(model=MODEL, max_tokens=60, temperature=0, messages=[
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}])
+    assert r.output_text == chat.choices[0].message.content  # the same request underneath
+    events = list(c.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response." + r.status
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+
+
+def test_responses_function_call_round_trip(system):
+    c = _client(system)
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    r = c.responses.create(model=MODEL, input=ask, tools=FLAT_TOOLS, tool_choice="required",
+                           parallel_tool_calls=False, max_output_tokens=80, temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1
+    _validate(json.loads(calls[0].arguments), {"get_weather": WEATHER, "get_time": TIME}[calls[0].name])
+    streamed = [e for e in c.responses.create(model=MODEL, input=ask, tools=FLAT_TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False, max_output_tokens=80, temperature=0,
+                                              stream=True)
+                if e.type == "response.output_item.done"]
+    assert [(i.item.name, i.item.arguments) for i in streamed] == [(calls[0].name, calls[0].arguments)]
+    follow = ask + [{"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+                     "arguments": calls[0].arguments},
+                    {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C, sunny"}]
+    r2 = c.responses.create(model=MODEL, input=follow, tools=FLAT_TOOLS, max_output_tokens=40, temperature=0)
+    assert r2.output and r2.usage.input_tokens > r.usage.input_tokens
+    r3 = c.responses.create(model=MODEL, input="Plan a trip to Rome as JSON.", max_output_tokens=120, temperature=0,
+                            text={"format": {"type": "json_schema", "name": "trip", "schema": SCHEMA, "strict": True}})
+    _validate(json.loads(r3.output_text), SCHEMA)
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input_image parts are not supported"),
+    ({"input": "hi", "previous_response_id": "resp_1"}, "stores no responses"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "answers no earlier"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"input": "hi", "tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "not in tools"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objectx"}}}},
+     "Unsupported type"),
+])
+def test_responses_bad_input_is_400(colocated_system, body, match):
+    with pytest.raises(openai.BadRequestError, match=match):
+        _client(colocated_system).responses.create(model=MODEL, max_output_tokens=5, **body)
