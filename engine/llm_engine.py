@@ -413,6 +413,8 @@ class LLMEngine:
         return out
 
     def close(self) -> None:
-        """Release host resources (unlinks the host cache's shared memory); idempotent."""
+        """Release host resources (unlinks the host cache's shared memory, ends the grammar
+        thread); idempotent."""
         if self.hicache is not None:
             self.hicache.close()
+        self.runner.close()

@@ -4,12 +4,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.forward_batch import build_forward_batch
-from engine.grammar import mask_logits
+from engine.grammar import apply_bitmask, fill_bitmask
 from engine.kv_cache import KVPool
 from engine.models import build_model
 from engine.models.weights import WeightLoader
@@ -68,6 +69,7 @@ class ModelRunner:
         log.info("loaded %s (%s, %s) in %.1fs", model_dir, cfg.dtype, cfg.device, t - t0)
         self.pool = KVPool(self.model_cfg, cfg.page_size, num_pages, cfg.max_num_seqs, cfg.torch_dtype, self.device)
         self.sampler = Sampler()
+        self._grammar_pool: ThreadPoolExecutor | None = None  # started by the first constrained step
         self._phase("kv", t)
 
     def _phase(self, name: str, since: float) -> float:
@@ -84,6 +86,10 @@ class ModelRunner:
         """
         needs = [seq.num_computed + n == seq.num_tokens for seq, n in scheduled]
         fb = build_forward_batch(scheduled, self.cfg.page_size, self.pool.window, needs, self.device)
+        matchers = [seq.matcher for (seq, _), need in zip(scheduled, needs) if need]
+        masks = None
+        if any(m is not None for m in matchers):  # the grammar masks, filled while the model runs
+            masks = self._grammar_thread().submit(fill_bitmask, matchers, len(matchers), self.model_cfg.vocab_size)
         hidden = self.model(fb, self.pool)
         for seq, n in scheduled:
             seq.num_computed += n
@@ -92,12 +98,21 @@ class ModelRunner:
             return rows, None
         logits = self.model.compute_logits(hidden)  # [S, V] float32
         self._mask_early_stop(rows, logits)
-        constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
-        if constrained:
-            mask_logits(logits, constrained, [rows[i].matcher for i in constrained])
+        if masks is not None:
+            apply_bitmask(logits, masks.result())
         batch = SamplingBatch.build([s.params for s in rows], [s.prompt_ids for s in rows],
                                     [s.output_ids for s in rows], logits.shape[1], self.device)
         return rows, self.sampler(logits, batch)
+
+    def close(self) -> None:
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown()
+            self._grammar_pool = None
+
+    def _grammar_thread(self) -> ThreadPoolExecutor:
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._grammar_pool
 
     def _mask_early_stop(self, rows: list[Sequence], logits: torch.Tensor) -> None:
         """min_tokens: stop tokens cannot be sampled before a row has min_tokens outputs (not

@@ -124,7 +124,7 @@ def test_mask_against_torch_reference():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 49152, generator=g)
     ref = logits.clone()
-    mask_logits(logits, [1], [m])
+    mask_logits(logits, [None, m, None])
     bitmask = xgr.allocate_token_bitmask(1, 49152)
     m.fill_next_token_bitmask(bitmask, 0)
     allowed = xgr.testing.bitmask_to_bool_mask(bitmask)[0][:49152]
