@@ -2,14 +2,10 @@
 
 Life of a request here:
   1. submit() picks a rank (routing.pick_rank), records one Pending per sub-request (n
-     choices x prompts, all on that rank) and sends one Generate each. In PD mode (prefill
-     ranks exist) it picks a decode rank by load (routing.pick_decode_rank) and a prefill rank
-     by the policy; the Generate to the prefill rank names the decode rank. Unless --disagg
-     (disagg.py) places the prompt on the decode rank itself: then the Generate goes to the
-     decode rank (decode_rank -1), which serves the request like a colocated rank, and the
-     router books it as one (Pending.decode None; a rank death before its first token moves
-     it to another decode rank). With `never` the decode rank is chosen by the policy, as a
-     colocated rank is. Each placement counts in pdserve_prefill_placement_total.
+     choices x prompts, all on that rank) and sends one Generate each. PD mode (prefill ranks
+     exist): a decode rank by load (routing.pick_decode_rank; by the policy with --disagg
+     never), then placement.Placer picks a prefill rank, whose Generate names the decode rank,
+     or has the decode rank prefill it (decode_rank -1, booked as a colocated request).
   2. The receive loop decodes each TokenBatch and puts (choice index, TokenEvent) on the
      request's inbox (request_state.Inbox); the last event of a sub-request (finish_reason
      set) retires it. A streaming request's inbox holds its events until the round (every
@@ -39,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 import msgspec
@@ -50,13 +45,12 @@ from zmq.utils.monitor import parse_monitor_message
 from pd_server import fanout
 from pd_server.cluster_auth import handshake_failure, secure_server, start_authenticator
 from pd_server.config import RouterConfig
-from pd_server.disagg import DisaggPolicy, Placement, PlacementInput
-from pd_server.disagg_costs import find_costs
 from pd_server.errors import APIError
 from pd_server.metrics import RouterMetrics, phase_durations
 from pd_server.protocol.codec import Codec
 from pd_server.protocol.rank_router import CacheEvents, Goodbye, Hello, RankStats, RequestError, TokenBatch, TokenEvent
 from pd_server.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown
+from pd_server.placement import Placer
 from pd_server.ranks import DEAD, PD_ROLES, Rank, RankRegistry, version_mismatch
 from pd_server.request_state import Failure, Handle, Inbox, Pending
 from pd_server.routing import RouteRequest, RoutingPolicy, expected_hit_tokens, pick_decode_rank, pick_rank
@@ -82,10 +76,7 @@ class Dispatcher:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._held: list[Inbox] = []  # inboxes holding events until this receive round ends
         self._auth = None  # ZAP handler thread, with a secret
-        # --disagg auto's curves, read now (a bad --disagg-costs fails at start); the policy is made
-        # at the first PD request, when the ranks (and so each one's share of the cores) are known.
-        self._cost_file = find_costs(registry.model, cfg.disagg_costs) if cfg.disagg == "auto" else None
-        self._disagg: DisaggPolicy | None = None
+        self.placer = Placer(cfg, registry, policy, self.pending)  # --disagg (placement.py)
 
     def bind(self) -> str:
         """Bind the rank socket (before ranks start); returns the resolved address."""
@@ -137,7 +128,7 @@ class Dispatcher:
                 decode = pick_rank(self.registry, self.policy, route, "decode", cap)
             else:
                 decode = pick_decode_rank(self.registry, route, cap)
-            rank, placement, est = self._place(decode, route, work, cap)
+            rank, placement, est = self.placer.place(decode, route, work, cap)
             if placement.local:
                 rank, decode = decode, None  # booked as a colocated request on the decode rank
             self.metrics.prefill_placement.labels(placement.where).inc()
@@ -162,64 +153,6 @@ class Dispatcher:
         elif placement is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("%s prefill on %s", request_id, placement.describe())
         return handle
-
-    @property
-    def disagg(self) -> DisaggPolicy:
-        """The --disagg policy (made at the first PD request: auto prices a rank's steps at its
-        share of this host's cores, cores // PD ranks, as the launcher divides them)."""
-        if self._disagg is None:
-            costs = None
-            if self._cost_file is not None:
-                ranks = sum(1 for r in self.registry.ranks.values() if r.role in PD_ROLES)
-                cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-                costs = self._cost_file.at(max(1, cores // max(1, ranks)))
-                log.info("disagg auto: cost curves %s at %d thread(s) a rank", self._cost_file.source, costs.threads)
-            self._disagg = DisaggPolicy(self.cfg.disagg, costs)
-        return self._disagg
-
-    def _place(self, decode: Rank, route: RouteRequest, work: list[tuple[list[int], Sampling]],
-               cap: int) -> tuple[Rank | None, Placement, list[float]]:
-        """(the prefill rank, or None when the decode rank prefills; the placement; each
-        sub-request's estimated prefill seconds where it goes, for the queue of later ones).
-        Raises APIError like pick_rank only in `always` mode; auto places on the decode rank
-        when no prefill rank lives or has room."""
-        policy = self.disagg
-        prefill = None
-        if policy.mode != "never":
-            try:
-                prefill = pick_rank(self.registry, self.policy, route, "prefill", cap)
-            except APIError:
-                if policy.mode == "always":
-                    raise
-        if policy.mode != "auto" or prefill is None:
-            placement = policy.decide(PlacementInput((), prefill_available=prefill is not None))
-            est = [policy.prefill_s(len(p), 0) for p, _ in work]
-            return (None if placement.local else prefill), placement, est
-        hits: dict[int, tuple[int, int, int]] = {}  # n choices of a prompt share its ids list: look up once
-        seqs = []
-        for prompt, _ in work:
-            h = hits.get(id(prompt))
-            if h is None:
-                h = hits[id(prompt)] = (len(prompt), expected_hit_tokens(prefill, prompt),
-                                        expected_hit_tokens(decode, prompt))
-            seqs.append(h)
-        s, hello = decode.stats, decode.hello
-        ctx = s.pages_used * hello.page_size / s.running if s and s.running and hello else float(seqs[0][0])
-        placement = policy.decide(PlacementInput(tuple(seqs), self._queued_prefill_s(prefill),
-                                                 self._queued_prefill_s(decode), max(1, len(decode.inflight)), ctx))
-        if placement.local:
-            return None, placement, [policy.prefill_s(n, hd) for n, _, hd in seqs]
-        return prefill, placement, [policy.prefill_s(n, hp) for n, hp, _ in seqs]
-
-    def _queued_prefill_s(self, rank: Rank) -> float:
-        """Estimated seconds of prefill queued on `rank`: the requests the router sent it to
-        prefill that have not returned a first token (a partly prefilled one counts in full)."""
-        total = 0.0
-        for sid in rank.inflight:
-            p = self.pending.get(sid)
-            if p is not None and p.rank is rank and not p.last:
-                total += p.prefill_s
-        return total
 
     def abort(self, sub_id: str) -> None:
         p = self.pending.pop(sub_id, None)

@@ -221,9 +221,9 @@ def test_auto_places_short_prompts_on_the_decode_rank_and_long_ones_on_an_idle_p
     # The long prompt is queued on prefill-0 until its first token: a second one now finds more
     # prefill queued there than prefilling it locally costs, and goes to a decode rank.
     second = auto.submit("l2", [(long_ids, Sampling(max_tokens=4))], RouteRequest(long_ids, 1), 0.0)
-    assert second.rank.role == "decode" and auto._queued_prefill_s(auto.registry.ranks["prefill-0"]) > 1.0
+    assert second.rank.role == "decode" and auto.placer.queued_prefill_s(auto.registry.ranks["prefill-0"]) > 1.0
     auto.frame("prefill-0", TokenBatch([TokenEvent(long.sub_ids[0], [9], "a", completion_tokens=1)], 0.0))
-    assert auto._queued_prefill_s(auto.registry.ranks["prefill-0"]) == 0.0  # first token in: no longer queued
+    assert auto.placer.queued_prefill_s(auto.registry.ranks["prefill-0"]) == 0.0  # first token in: no longer queued
     third = auto.submit("l3", [(long_ids, Sampling(max_tokens=4))], RouteRequest(long_ids, 1), 0.0)
     assert third.rank.name == "prefill-0"
 
