@@ -79,7 +79,8 @@ class FakeLoop:
                 return
             block = False
             if isinstance(msg, Generate):
-                self.active[msg.request_id] = _Active(msg.sampling.max_tokens, len(msg.prompt_ids), time.time())
+                a = self.active[msg.request_id] = _Active(msg.sampling.max_tokens, len(msg.prompt_ids), time.time())
+                a.produced = len(msg.resume_ids)  # a request moved here goes on counting
             elif isinstance(msg, Abort):
                 self.active.pop(msg.request_id, None)
 

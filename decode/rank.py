@@ -193,7 +193,7 @@ class RankLoop:
 
         try:
             params = SamplingParams(**msgspec.structs.asdict(msg.sampling))
-            self.engine.add_request(msg.request_id, msg.prompt_ids, params)
+            self.engine.add_request(msg.request_id, msg.prompt_ids, params, output_ids=msg.resume_ids)
         except ValueError as e:
             self.link.send(RequestError(msg.request_id, 400, str(e)))
             return

@@ -154,13 +154,21 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {v})")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    *, prefill_only: bool = False) -> None:
-        """Queue a request. Raises ValueError (nothing queued) on invalid input."""
-        prompt_ids = list(prompt_ids)
-        self._validate(request_id, prompt_ids)
-        seq = Sequence(request_id, prompt_ids, params, prefill_only=prefill_only,
-                       matcher=self._matcher(params, []))
+                    *, prefill_only: bool = False, output_ids: list[int] = ()) -> None:
+        """Queue a request. `output_ids`: tokens it already generated elsewhere (a request the
+        router moved here from a dead rank): they are recomputed with the prompt and decoding
+        goes on after them, as from a preemption (same seeded noise, penalties, grammar state
+        and held-back text). Raises ValueError (nothing queued) on invalid input."""
+        prompt_ids, output_ids = list(prompt_ids), list(output_ids)
+        self._validate(request_id, prompt_ids + output_ids)
+        if output_ids and (prefill_only or len(output_ids) >= params.max_tokens):
+            raise ValueError("a resumed request needs room for a new token and cannot be prefill-only")
+        seq = Sequence(request_id, prompt_ids, params, output_ids=output_ids, prefill_only=prefill_only,
+                       matcher=self._matcher(params, output_ids))
         self._track(seq)
+        det = self._detok[request_id]
+        for t in output_ids:  # their text was streamed by the rank that made them
+            det.append(t)
 
     def add_imported(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
                      params: SamplingParams, kv: KVExport) -> None:

@@ -50,6 +50,10 @@ class RouterConfig:
     max_tools: int = opt(128, "tools per chat request; past it: 400")
     max_tool_schema_bytes: int = opt(32768, "JSON size of one tool's definition or of a response_format "
                                             "schema; past it: 400")
+    max_migrations: int = opt(2, "times one request may move from a dead rank to a live one, resuming from the "
+                                 "tokens it streamed (0: a dead rank's requests fail)")
+    keep_alive_s: float = opt(75.0, "an idle client connection stays open this many seconds (HTTP keep-alive; "
+                                    "uvicorn's own default, 5 s, closes connections agents reuse after a pause)")
     grammar_timeout_s: float = opt(10.0, "a structured-output request's grammar (response_format json_schema, "
                                          "tool_choice required or named) must compile within this many "
                                          "seconds; else 400")
@@ -64,9 +68,11 @@ class RouterConfig:
             raise ValueError("need 0 < heartbeat_interval_s < rank_timeout_s")
         if not self.rank_addr.startswith(("tcp://", "ipc://")):
             raise ValueError(f"rank_addr must be tcp:// or ipc://, got {self.rank_addr!r}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.disagg not in DISAGG_MODES:
             raise ValueError(f"disagg must be one of {DISAGG_MODES}, got {self.disagg!r}")
-        for name in ("body_timeout_s", "header_timeout_s", "grammar_timeout_s"):
+        for name in ("body_timeout_s", "header_timeout_s", "grammar_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_body_bytes", "max_messages", "max_tokens_limit", "max_n", "max_stop", "max_stop_chars",

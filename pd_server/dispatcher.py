@@ -16,10 +16,9 @@ Life of a request here:
      paths: events are put in order by their token offset (a decode event that overtakes the
      first token waits for it). Once the first token is in, the prefill rank is done with the
      request as far as the router is concerned; the decode rank holds it until the end.
-  3. A RequestError, or the death of a rank holding it, puts a Failure on the queue instead
-     (and Abort goes to the other rank holding it). A colocated sub-request that has produced
-     no token yet when its rank dies is re-sent once to another live rank (nothing was
-     streamed, so nothing is lost); PD sub-requests fail fast instead (a Handoff may be out).
+  3. A rank holding it dies: migration.Migrator moves it to a live rank, which resumes it from
+     the tokens delivered so far (--max-migrations). A RequestError, or a death it cannot move,
+     puts a Failure on the queue instead (and Abort goes to the other rank holding it).
   4. Handle.close() (the handler's finally: done, failed or client gone) sends Abort for
      whatever has not finished, to every rank holding it, so they free their pages at once.
 PD ranks learn each other from `Peers` (every live prefill and decode rank with its peer
@@ -47,10 +46,11 @@ from pd_server.cluster_auth import handshake_failure, secure_server, start_authe
 from pd_server.config import RouterConfig
 from pd_server.errors import APIError
 from pd_server.metrics import RouterMetrics, phase_durations
+from pd_server.migration import Migrator
+from pd_server.placement import Placer
 from pd_server.protocol.codec import Codec
 from pd_server.protocol.rank_router import CacheEvents, Goodbye, Hello, RankStats, RequestError, TokenBatch, TokenEvent
 from pd_server.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown
-from pd_server.placement import Placer
 from pd_server.ranks import DEAD, PD_ROLES, Rank, RankRegistry, version_mismatch
 from pd_server.request_state import Failure, Handle, Inbox, Pending
 from pd_server.routing import RouteRequest, RoutingPolicy, expected_hit_tokens, pick_decode_rank, pick_rank
@@ -77,6 +77,7 @@ class Dispatcher:
         self._held: list[Inbox] = []  # inboxes holding events until this receive round ends
         self._auth = None  # ZAP handler thread, with a secret
         self.placer = Placer(cfg, registry, policy, self.pending)  # --disagg (placement.py)
+        self.migrator = Migrator(cfg, registry, policy, metrics, self._send)  # --max-migrations
 
     def bind(self) -> str:
         """Bind the rank socket (before ranks start); returns the resolved address."""
@@ -250,7 +251,12 @@ class Dispatcher:
             if rank.cache is not None:
                 rank.cache.apply(msg.updates)
         elif isinstance(msg, RequestError):
-            self._fail(msg.request_id, Failure(msg.status, msg.message))
+            # A 5xx for a request whose other rank died (a decode rank that could not pull the
+            # KV of a dead prefill rank) moves it, as that rank's death would have.
+            p = self.pending.get(msg.request_id)
+            dead = next((r for r in p.ranks() if not r.live), None) if p and msg.status >= 500 else None
+            if dead is None or not self.migrator.move(msg.request_id, p, dead, dead.dead_reason):
+                self._fail(msg.request_id, Failure(msg.status, msg.message))
         elif isinstance(msg, Goodbye):
             self._rank_died(rank, f"{rank.name} left: {msg.reason}")
 
@@ -304,6 +310,7 @@ class Dispatcher:
                 p.rank.inflight.discard(ev.request_id)
         p.last = now
         p.received += len(ev.token_ids)
+        p.tokens += ev.token_ids
         if ev.finish_reason is not None:
             del self.pending[ev.request_id]
             for r in p.ranks():
@@ -373,14 +380,11 @@ class Dispatcher:
         if rank.state == DEAD:
             return
         lost = self.registry.mark_dead(rank, reason)
-        log.error("rank %s is dead: %s; failing or moving its %d requests", rank.name, reason, len(lost))
+        log.error("rank %s is dead: %s; moving or failing its %d requests", rank.name, reason, len(lost))
         for sid in lost:
             p = self.pending.get(sid)
-            if p is None:
-                continue
-            if p.decode is None and not p.last and not p.retried and self._retry(sid, p):
-                continue
-            self._fail(sid, Failure(500, f"rank {rank.name} died while serving this request ({reason})"))
+            if p is not None and not self.migrator.move(sid, p, rank, reason):
+                self._fail(sid, Failure(500, f"rank {rank.name} died while serving this request ({reason})"))
         if rank.role in PD_ROLES:
             self._broadcast_peers()
 
@@ -390,17 +394,3 @@ class Dispatcher:
         msg = Peers([PeerInfo(r.name, r.role, r.hello.peer_addr if r.hello else "") for r in live])
         for r in live:
             self._send(r, msg)
-
-    def _retry(self, sid: str, p: Pending) -> bool:
-        """Re-send a sub-request that has no output yet to another live rank."""
-        try:
-            rank = pick_rank(self.registry, self.policy, RouteRequest(p.msg.prompt_ids, 1), p.rank.role,
-                             self.cfg.max_inflight_per_rank)
-        except APIError:
-            return False
-        log.warning("moving %s from dead %s to %s", sid, p.rank.name, rank.name)
-        p.rank, p.retried = rank, True
-        rank.inflight.add(sid)
-        self._send(rank, p.msg)
-        return True
-

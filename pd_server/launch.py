@@ -216,6 +216,7 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, model_dir: 
                         ChatRenderer(tokenizer), registry, dispatcher, metrics)
     server = uvicorn.Server(uvicorn.Config(build_app(ctx), host=cfg.host, port=cfg.port, log_level="warning",
                                            access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+                                           timeout_keep_alive=cfg.keep_alive_s,
                                            http=header_timeout_protocol(cfg.header_timeout_s)))
     # uvicorn captures SIGINT/SIGTERM while serving and re-raises them afterwards: make that a no-op
     # so the cleanup below always runs.

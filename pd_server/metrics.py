@@ -71,6 +71,9 @@ class RouterMetrics:
         self.prefill_placement = Counter("pdserve_prefill_placement", "PD requests by where their prompt was "
                                          "prefilled: on their decode rank, or a prefill rank (--disagg)", ["where"],
                                          registry=r)
+        self.migrations = Counter("pdserve_migrations", "sub-requests moved from a dead rank to a live one, by the "
+                                  "dead rank's role and why it was declared dead (exited, silent, "
+                                  "start_timeout)", ["role", "cause"], registry=r)
         self.rank_queue = Gauge("pdserve_rank_queue_depth", "waiting sequences on a rank", ["rank"], registry=r)
         self.rank_running = Gauge("pdserve_rank_running", "running sequences on a rank", ["rank"], registry=r)
         self.rank_pages = Gauge("pdserve_rank_kv_pages_used", "KV pages in use on a rank", ["rank"], registry=r)

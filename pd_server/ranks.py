@@ -146,12 +146,15 @@ class RankRegistry:
     @property
     def status(self) -> str:
         """loading: an expected rank has not said Hello yet (requests still go to live ranks);
-        ok: none is loading and at least one lives; unavailable: none lives. A restarted rank
-        that is loading again counts as ok while another lives (it was up before)."""
-        if any(r.state == LOADING and not r.restarts for r in self.ranks.values()):
+        ok: every rank is up; degraded: some rank is dead or restarting but a live colocated or
+        decode rank can serve (in PD mode a decode rank prefills itself when no prefill rank
+        lives); unavailable: none can."""
+        ranks = self.ranks.values()
+        if any(r.state == LOADING and not r.restarts for r in ranks):
             return "loading"
-        states = {r.state for r in self.ranks.values()}
-        return "ok" if READY in states else "loading" if LOADING in states else "unavailable"
+        if not any(r.state == READY and r.role in ("colocated", "decode") for r in ranks):
+            return "loading" if any(r.state == LOADING for r in ranks) else "unavailable"
+        return "ok" if all(r.state == READY for r in ranks) else "degraded"
 
     @property
     def max_model_len(self) -> int:

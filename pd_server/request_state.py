@@ -112,8 +112,9 @@ class Pending:
     arrival: float  # perf_counter at HTTP arrival
     decode: Rank | None = None  # PD mode with a handoff: the decode rank
     last: float = 0.0  # perf_counter of the last token event; 0 before the first
-    retried: bool = False
+    migrations: int = 0  # times it moved from a dead rank (migration.py)
     received: int = 0  # output tokens delivered so far
+    tokens: list[int] = field(default_factory=list)  # their ids (a migration resumes from them)
     early: dict[int, TokenEvent] = field(default_factory=dict)  # PD: events ahead of the first token, by offset
     prefill_s: float = 0.0  # --disagg auto: its estimated prefill seconds on `rank` (queued work until `last`)
 

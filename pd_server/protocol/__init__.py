@@ -28,7 +28,8 @@ from typing import Literal
 # CacheEvents message (host-cache store/evict events for cache-aware routing). 4: a decode rank
 # serves a Generate (decode_rank -1) by prefilling it itself (conditional disaggregation, --disagg),
 # and its Hello names its host cache (cache_root) and it sends CacheEvents like a prefill rank.
-# 5: Sampling.grammar (a constrained request's (kind, text); also in Handoff.sampling).
+# 5: Sampling.grammar (a constrained request's (kind, text); also in Handoff.sampling), and
+# Generate.resume_ids (a request moved from a dead rank).
 PROTOCOL_VERSION = 5
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (pd_server/cluster_auth.py).

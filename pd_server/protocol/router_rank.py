@@ -67,6 +67,9 @@ class Generate(msgspec.Struct, frozen=True, array_like=True, tag="generate"):
     # PD mode: the prefill rank that receives this sends the KV to this decode rank index.
     # -1: the receiving rank decodes itself (a colocated rank, or a decode rank that prefills it).
     decode_rank: int = -1
+    # Tokens this request already generated on a rank that died (the router moves it here, to a
+    # colocated or decode rank with decode_rank -1): recomputed with the prompt, then decoding goes on.
+    resume_ids: list[int] = []
 
 
 class Abort(msgspec.Struct, frozen=True, array_like=True, tag="abort"):

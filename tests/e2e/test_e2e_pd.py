@@ -249,12 +249,12 @@ def test_abort_while_prefilling_frees_both_ranks(request, backend, engine):
     pd.wait_until(lambda: idle(pd), 30, "both ranks idle after a disconnect while prefilling")
 
 
-def _long_streams(system, n: int) -> list:
+def _long_streams(system, n: int, max_tokens: int = 2000) -> list:
     """n concurrent long streams; returns [(decode rank, prefill rank, cm, line iterator)] once
     each has its first token."""
     out = []
     for i in range(n):
-        cm, r = _stream(system, {"prompt": f"Story number {i}:", "max_tokens": 2000, "ignore_eos": True})
+        cm, r = _stream(system, {"prompt": f"Story number {i}:", "max_tokens": max_tokens, "ignore_eos": True})
         lines = r.iter_lines()
         out.append((r.headers["x-pdserve-decode-rank"], r.headers["x-pdserve-rank"], cm, lines))
     for *_, lines in out:
@@ -262,22 +262,20 @@ def _long_streams(system, n: int) -> list:
     return out
 
 
-def test_killed_decode_rank_fails_its_requests_fast_and_the_rest_serve(pd_shm, engine):
-    """Kills decode-1 (pd_shm's second to last test)."""
-    streams = _long_streams(pd_shm, 2)
+def test_killed_decode_rank_moves_its_requests_and_the_rest_serve(pd_shm, engine):
+    """Kills decode-1 (pd_shm's second to last test): its stream goes on on decode-0 from the
+    tokens it had streamed (migration.py), to its last token, with no error."""
+    streams = _long_streams(pd_shm, 2, max_tokens=80)
     assert sorted(s[0] for s in streams) == ["decode-0", "decode-1"]
     os.kill(pd_shm.ranks()["decode-1"]["pid"], signal.SIGKILL)
-    t0 = time.monotonic()
     try:
         for dec, _, _, lines in streams:
-            if dec != "decode-1":
-                continue
-            rest = "\n".join(lines)  # ends with an error event, then [DONE]
-            assert "decode-1" in rest and '"error"' in rest, rest[-500:]
-            assert time.monotonic() - t0 < 8
+            rest = "\n".join(lines)
+            assert '"error"' not in rest and '"finish_reason":"length"' in rest, rest[-500:]
     finally:
         for *_, cm, _ in streams:
             cm.__exit__(None, None, None)
+    assert 'pdserve_migrations_total{cause="exited",role="decode"} 1.0' in httpx.get(pd_shm.url + "/metrics").text
     assert pd_shm.ranks()["decode-1"]["state"] == "dead"
     ids = prompts(engine)[0]
     for _ in range(2):
@@ -287,14 +285,16 @@ def test_killed_decode_rank_fails_its_requests_fast_and_the_rest_serve(pd_shm, e
     pd_shm.wait_until(lambda: idle(pd_shm), 20, "survivors idle")
 
 
-def test_killed_prefill_rank_fails_its_requests_fast_and_the_rest_serve(pd_shm, engine):
-    """Kills prefill-1 (pd_shm's last test)."""
+def test_killed_prefill_rank_moves_its_requests_and_the_rest_serve(pd_shm, engine):
+    """Kills prefill-1 (pd_shm's last test) while it prefills: its request moves to a decode
+    rank, which prefills it itself; both requests answer with the greedy tokens."""
     ids = prompts(engine)[2] * 4  # ~2800 tokens: over a second of prefill even with AMX
     results: list[httpx.Response] = []
 
     def run(i: int) -> None:
         results.append(httpx.post(pd_shm.url + "/v1/completions", timeout=120,
-                                  json={"model": MODEL, "prompt": [7 + i] + ids, "max_tokens": 2, "temperature": 0}))
+                                  json={"model": MODEL, "prompt": [7 + i] + ids, "max_tokens": 2, "temperature": 0,
+                                        "return_token_ids": True}))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
@@ -303,15 +303,13 @@ def test_killed_prefill_rank_fails_its_requests_fast_and_the_rest_serve(pd_shm, 
     pd_shm.wait_until(lambda: all(x["running"] or x["inflight"] for x in pd_shm.ranks().values()
                                   if x["role"] == "prefill"), 30, "both prefill ranks prefilling")
     os.kill(pd_shm.ranks()["prefill-1"]["pid"], signal.SIGKILL)
-    t0 = time.monotonic()
-    # NOTE: the request on prefill-0 may finish first (2 tokens): wait for the failure itself.
-    pd_shm.wait_until(lambda: any(r.status_code == 500 for r in results), 10, "the request on prefill-1 to fail")
-    assert time.monotonic() - t0 < 8
     for t in threads:
         t.join(timeout=120)
-    failed, served = sorted(results, key=lambda r: r.status_code, reverse=True)
-    assert failed.status_code == 500 and "prefill-1" in failed.json()["error"]["message"]
-    assert served.status_code == 200 and served.headers["x-pdserve-rank"] == "prefill-0"
+    assert sorted(r.status_code for r in results) == [200, 200], [r.text for r in results]
+    for r in results:
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] == reference(engine, choice["prompt_token_ids"], 2).new_token_ids
+    assert 'pdserve_migrations_total{cause="exited",role="prefill"} 1.0' in httpx.get(pd_shm.url + "/metrics").text
     got = completion(pd_shm, prompts(engine)[0], 4)
     assert got["headers"]["x-pdserve-rank"] == "prefill-0"
     pd_shm.wait_until(lambda: idle(pd_shm), 20, "survivors idle")

@@ -30,8 +30,9 @@ def hello(role: str, index: int) -> Hello:
 class Recorder(Dispatcher):
     """A dispatcher whose sends are recorded instead of going to a socket."""
 
-    def __init__(self, disagg: str = "always") -> None:
-        super().__init__(RouterConfig(disagg=disagg), RankRegistry(MODEL), make_policy("least-loaded"),
+    def __init__(self, disagg: str = "always", max_migrations: int = 2) -> None:
+        super().__init__(RouterConfig(disagg=disagg, max_migrations=max_migrations), RankRegistry(MODEL),
+                         make_policy("least-loaded"),
                          RouterMetrics())
         self.sent: list[tuple[str, object]] = []
 
@@ -52,10 +53,10 @@ class Recorder(Dispatcher):
         return out
 
 
-def _system(disagg: str):
+def _system(disagg: str, max_migrations: int = 2):
     loop = asyncio.new_event_loop()  # Handle queues are asyncio.Queues
     asyncio.set_event_loop(loop)
-    d = Recorder(disagg)
+    d = Recorder(disagg, max_migrations)
     for role, i in (("prefill", 0), ("decode", 0), ("decode", 1)):
         d.join(role, i)
     yield d
@@ -68,6 +69,11 @@ def _system(disagg: str):
 @pytest.fixture
 def disp():
     yield from _system("always")
+
+
+@pytest.fixture
+def no_migration():
+    yield from _system("always", 0)
 
 
 @pytest.fixture
@@ -140,7 +146,8 @@ def test_abort_and_failure_reach_both_ranks(disp):
     assert (h.decode.name, Abort(h.sub_ids[0])) in disp.take()
 
 
-def test_dead_decode_rank_fails_its_requests_without_retry_and_updates_peers(disp):
+def test_dead_decode_rank_fails_its_requests_without_migration_and_updates_peers(no_migration):
+    disp = no_migration
     h = disp.submit("a", sampling(), REQ, 0.0)
     disp.take()
     disp._rank_died(h.decode, "exited")
@@ -150,6 +157,28 @@ def test_dead_decode_rank_fails_its_requests_without_retry_and_updates_peers(dis
     assert ("prefill-0", Abort(h.sub_ids[0])) in sent
     peers = [m for to, m in sent if to == "prefill-0" and isinstance(m, Peers)]
     assert peers and h.decode.name not in [p.name for p in peers[-1].peers]
+
+
+def test_dead_decode_rank_moves_its_requests_with_their_tokens(disp):
+    """Mid-stream: the other decode rank gets the request with the tokens delivered so far,
+    prefills and goes on; its events continue the stream."""
+    h = disp.submit("a", sampling(), REQ, 0.0)
+    sid, first, dead = h.sub_ids[0], h.decode.name, h.decode
+    disp.take()
+    disp.frame("prefill-0", TokenBatch([TokenEvent(sid, [7], "x", None, None, 3, 1)], 0.0))
+    disp.frame(first, TokenBatch([TokenEvent(sid, [8], "y", None, None, 3, 2)], 0.0))
+    disp._rank_died(dead, "decode-x (pid 1) exited with code -9")
+    sent = disp.take()
+    moved = [(to, m) for to, m in sent if isinstance(m, Generate)]
+    assert len(moved) == 1 and moved[0][0] != first
+    to, msg = moved[0]
+    assert (msg.request_id, msg.prompt_ids, msg.decode_rank, msg.resume_ids) == (sid, [1, 2, 3], -1, [7, 8])
+    assert ("prefill-0", Abort(sid)) in sent  # frees a handoff it may still pin
+    disp.frame(to, TokenBatch([TokenEvent(sid, [9], "z", "length", None, 3, 3)], 0.0))
+    events = [h.queue.get_nowait()[1] for _ in range(3)]
+    assert [e.token_ids for e in events] == [[7], [8], [9]] and events[-1].finish_reason == "length"
+    assert 'pdserve_migrations_total{cause="exited",role="decode"} 1.0' in disp.metrics.render().decode()
+    assert not any(sid in r.inflight for r in disp.registry.ranks.values())
 
 
 def test_phase_durations_pd_and_colocated():

@@ -97,7 +97,7 @@ def test_loading_then_ready_then_dead():
     rank = reg.ranks["colocated-0"]
     rank.inflight = {"q1", "q2"}
     assert reg.mark_dead(rank, "boom") == {"q1", "q2"}
-    assert rank.state == DEAD and rank.inflight == set() and reg.status == "ok"
+    assert rank.state == DEAD and rank.inflight == set() and reg.status == "degraded"
     reg.mark_dead(reg.ranks["colocated-1"], "boom")
     assert reg.status == "unavailable"
 

@@ -92,7 +92,7 @@ def test_a_restarting_rank_does_not_hold_health_in_loading_while_another_serves(
     assert reg.status == "ok"
     reg.mark_dead(reg.ranks["colocated-0"], "exited")
     sup.start("colocated", 0)
-    assert reg.ranks["colocated-0"].state == LOADING and reg.status == "ok"
+    assert reg.ranks["colocated-0"].state == LOADING and reg.status == "degraded"
 
 
 def test_shm_of_exited_ranks_is_removed(tmp_path):
