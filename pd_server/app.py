@@ -1,14 +1,18 @@
-"""The FastAPI app: routes, OpenAI-shaped errors, request counting.
+"""The FastAPI app: routes, errors in each API's shape, request counting.
 
     POST /v1/chat/completions   chat.py
     POST /v1/completions        completions.py
+    POST /v1/messages           anthropic_messages.py (Anthropic's Messages API, served as chat);
+         /v1/messages/count_tokens  its prompt's length (the router's tokenizer, no rank)
+    POST /v1/responses          openai_responses.py (the Responses API, served as a chat completion)
     GET  /v1/models             the served model
     GET  /v1/models/{id}        that model's card (404 for another id)
     POST /tokenize, /detokenize tokenize.py (vLLM's shapes; the router's tokenizer, no rank)
     GET  /health                every rank with role, index, pid, state, load; 503 while
                                 loading or with no live rank
     GET  /metrics               Prometheus text (metrics.py)
-Every error is {"error": {"message", "type", "param", "code"}}: APIError as raised,
+Every error is {"error": {"message", "type", "param", "code"}} (on /v1/messages... Anthropic's
+{"type": "error", "error": {"type", "message"}}: errors.error_json): APIError as raised,
 validation failures as 400 (never FastAPI's 422), unknown routes 404, anything else 500.
 Middleware, outermost first: RequestCounter (metrics), RequestGuard (security.py: API key,
 body size and body deadline); the routes then check per-request limits (limits.py). Streams
@@ -24,11 +28,14 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from pd_server import anthropic_messages
+from pd_server.anthropic_models import CountTokensRequest, MessagesRequest
 from pd_server.api_models import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pd_server.chat import create_chat_completion
 from pd_server.completions import create_completion
-from pd_server.errors import APIError, error_body
+from pd_server.errors import APIError, error_json
 from pd_server.limits import check_chat, check_completion
+from pd_server.openai_responses import ResponsesRequest, create_response, to_chat
 from pd_server.responses import ModelCard, ModelList, to_json
 from pd_server.security import RequestGuard, api_key
 from pd_server.serving import ServerContext
@@ -37,14 +44,15 @@ from pd_server.tokenize import detokenize, tokenize
 
 log = logging.getLogger("pd_server.app")
 JSON = "application/json"
-ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
-                       "/health", "/metrics"})
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                       "/v1/messages/count_tokens", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics"})
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "literal", "TextPart",
                         "NamedToolChoice"})
 
 
-def _error(err: APIError) -> Response:
-    return Response(to_json(error_body(err)), status_code=err.status, media_type=JSON)
+def _error(err: APIError, path: str) -> Response:
+    """`err` in the shape of the API of the route at `path`."""
+    return Response(error_json(err, path), status_code=err.status, media_type=JSON)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -98,31 +106,47 @@ def build_app(ctx: ServerContext):
     async def _api_error(request: Request, exc: APIError):
         if exc.status >= 500:
             log.error("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
-        return _error(exc)
+        return _error(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         msg, param = _validation_message(exc)
-        return _error(APIError(400, msg, param=param))
+        return _error(APIError(400, msg, param=param), request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
-        return _error(APIError(exc.status_code, str(exc.detail)))
+        return _error(APIError(exc.status_code, str(exc.detail)), request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_chat(req, ctx.cfg)
         return await create_chat_completion(req, request, ctx)
 
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, request: Request):
+        chat_req = to_chat(req)
+        check_chat(chat_req, ctx.cfg)
+        return await create_response(req, chat_req, request, ctx)
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_completion(req, ctx.cfg)
         return await create_completion(req, request, ctx)
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, request: Request):
+        chat_req = anthropic_messages.to_chat(req)
+        check_chat(chat_req, ctx.cfg)
+        return await anthropic_messages.create_message(req, chat_req, request, ctx)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest):
+        return Response(to_json(anthropic_messages.count_tokens(req, ctx)), media_type=JSON)
 
     def card() -> ModelCard:
         return ModelCard(ctx.model_name, ctx.created, ctx.registry.max_model_len, root=ctx.model_name)

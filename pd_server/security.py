@@ -2,7 +2,8 @@
 
 Every HTTP request passes these steps before any route sees it:
   1. Key: with an API key set (--api-key, else $PDSERVE_API_KEY), /v1/*, /tokenize and /detokenize need
-     `Authorization: Bearer <key>`, compared in constant time; otherwise 401
+     `Authorization: Bearer <key>` (Anthropic's routes, /v1/messages...: or `x-api-key: <key>`,
+     as Anthropic's clients send it), compared in constant time; otherwise 401
      (code "invalid_api_key"). /health and /metrics stay open for probes and scrapers.
   2. Declared size: a Content-Length over --max-body-bytes is a 413 before a byte of the
      body is read.
@@ -12,8 +13,9 @@ Every HTTP request passes these steps before any route sees it:
      the client's receive() for its body.
   4. The route gets the buffered body from its first receive(), then the real receive()
      (which is how handlers notice a client that goes away).
-Refusals are OpenAI-shaped errors sent with `connection: close`: whatever body remains is
-never read, so the connection cannot be reused.
+Refusals are errors in the route's API shape (errors.error_json: OpenAI's, Anthropic's on its
+routes) sent with `connection: close`: whatever body remains is never read, so the connection
+cannot be reused.
 """
 from __future__ import annotations
 
@@ -23,8 +25,7 @@ import os
 from collections.abc import Mapping
 
 from pd_server.config import API_KEY_ENV, RouterConfig
-from pd_server.errors import APIError, error_body
-from pd_server.responses import to_json
+from pd_server.errors import APIError, error_json, speaks_anthropic
 
 PROTECTED_PREFIX = "/v1/"
 PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})  # vLLM's, outside /v1: keyed as well
@@ -49,8 +50,13 @@ def key_matches(authorization: bytes | None, key: bytes) -> bool:
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
 
 
-async def send_error(send, err: APIError, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    body = to_json(error_body(err))
+def x_api_key_matches(value: bytes | None, key: bytes) -> bool:
+    """Whether an x-api-key header value is the key (Anthropic's clients), in constant time."""
+    return value is not None and hmac.compare_digest(value.strip(), key)
+
+
+async def send_error(send, err: APIError, headers: tuple[tuple[bytes, bytes], ...] = (), path: str = "") -> None:
+    body = error_json(err, path)
     await send({"type": "http.response.start", "status": err.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close"), *headers]})
@@ -72,29 +78,30 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])  # ASGI: lower-cased names; a repeated header keeps its last value
-        if self.key and protected(scope["path"]) and \
-                not key_matches(headers.get(b"authorization"), self.key):
-            missing = b"authorization" not in headers
-            msg = ("missing API key: send 'Authorization: Bearer <key>'" if missing
-                   else "incorrect API key provided")
+        path = scope["path"]
+        if self.key and protected(path) and not self._key_ok(headers, path):
+            msg = ("incorrect API key provided" if b"authorization" in headers or b"x-api-key" in headers
+                   else "missing API key: send 'Authorization: Bearer <key>'"
+                   + (" or 'x-api-key: <key>'" if speaks_anthropic(path) else ""))
             return await send_error(send, APIError(401, msg, code="invalid_api_key"),
-                                    ((b"www-authenticate", b"Bearer"),))
+                                    ((b"www-authenticate", b"Bearer"),), path)
         limit = self.cfg.max_body_bytes
         declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
-                return await send_error(send, APIError(400, "invalid Content-Length header"))
+                return await send_error(send, APIError(400, "invalid Content-Length header"), path=path)
             if int(declared) > limit:
-                return await send_error(send, _too_large(limit))
+                return await send_error(send, _too_large(limit), path=path)
         try:
             body = await asyncio.wait_for(self._read_body(receive, limit), self.cfg.body_timeout_s)
         except TimeoutError:
             return await send_error(send, APIError(
-                408, f"the request body did not arrive within {self.cfg.body_timeout_s:g} s", code="timeout"))
+                408, f"the request body did not arrive within {self.cfg.body_timeout_s:g} s", code="timeout"),
+                path=path)
         except _ClientGone:
             return None
         if body is None:
-            return await send_error(send, _too_large(limit))
+            return await send_error(send, _too_large(limit), path=path)
         replayed = False
 
         async def replay():
@@ -105,6 +112,11 @@ class RequestGuard:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+    def _key_ok(self, headers: dict[bytes, bytes], path: str) -> bool:
+        if key_matches(headers.get(b"authorization"), self.key):
+            return True
+        return speaks_anthropic(path) and x_api_key_matches(headers.get(b"x-api-key"), self.key)
 
     @staticmethod
     async def _read_body(receive, limit: int) -> bytes | None:

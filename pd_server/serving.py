@@ -80,6 +80,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_str: str | None = None  # the stop string that ended it (finish_reason "stop"), if one did
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -93,7 +94,7 @@ class Choice:
         self.completion_tokens = ev.completion_tokens
         self.prompt_tokens, self.cached_tokens = ev.prompt_tokens, ev.cached_tokens
         if ev.finish_reason is not None:
-            self.finish_reason = ev.finish_reason
+            self.finish_reason, self.stop_str = ev.finish_reason, ev.stop_str
 
     def count(self, ev: TokenEvent) -> None:
         """Only what usage() reads (a stream renders the rest as it goes); idempotent."""

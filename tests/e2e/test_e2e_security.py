@@ -1,8 +1,10 @@
 """Access control and request limits on a real router (2 stand-in ranks, no model): --api-key
-and $PDSERVE_API_KEY through the official openai client, /health and /metrics open, the key in
-no log, and every request limit flag answered 400 (413 for the body) naming its field."""
+and $PDSERVE_API_KEY through the official openai client (and as x-api-key through the anthropic
+one), /health and /metrics open, the key in no log, and every request limit flag answered 400
+(413 for the body) naming its field."""
 from __future__ import annotations
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -113,3 +115,18 @@ def test_body_over_the_limit_is_413_and_under_it_serves(keyed_system):
     ok = b'{"model": "%s", "prompt": "%s", "max_tokens": 2}' % (MODEL.encode(), b"x " * 3000)
     resp = httpx.post(url, content=iter([ok[:4000], ok[4000:]]), headers=headers, timeout=10)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(keyed_system):
+    for wrong in ("wrong", KEY + "x"):
+        with anthropic.Anthropic(base_url=keyed_system.url, api_key=wrong, max_retries=0, timeout=30) as c, \
+                pytest.raises(anthropic.AuthenticationError) as e:
+            c.messages.create(model=MODEL, max_tokens=2, messages=[MSG])
+        assert e.value.type == "authentication_error" and e.value.body["type"] == "error"
+    with anthropic.Anthropic(base_url=keyed_system.url, api_key=KEY, max_retries=0, timeout=30) as c:
+        m = c.messages.create(model=MODEL, max_tokens=2, messages=[MSG])
+        assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 2
+        assert c.messages.count_tokens(model=MODEL, messages=[MSG]).input_tokens > 0
+    resp = httpx.post(keyed_system.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                      headers={"x-api-key": KEY}, timeout=10)
+    assert resp.status_code == 401  # x-api-key is for Anthropic's routes only
