@@ -8,8 +8,9 @@
     GET  /v1/models             the served model
     GET  /v1/models/{id}        that model's card (404 for another id)
     POST /tokenize, /detokenize tokenize.py (vLLM's shapes; the router's tokenizer, no rank)
-    GET  /health                every rank with role, index, pid, state, load; 503 while
-                                loading or with no live rank
+    GET  /health                every rank with role, index, pid, state, load; status ok, or
+                                degraded (200, the ranks down listed) while a rank is dead or
+                                restarting; 503 while loading or when no rank can serve
     GET  /metrics               Prometheus text (metrics.py)
 Every error is {"error": {"message", "type", "param", "code"}} (on /v1/messages... Anthropic's
 {"type": "error", "error": {"type", "message"}}: errors.error_json): APIError as raised,
@@ -37,6 +38,7 @@ from pd_server.errors import APIError, error_json
 from pd_server.limits import check_chat, check_completion
 from pd_server.openai_responses import ResponsesRequest, create_response, to_chat
 from pd_server.responses import ModelCard, ModelList, to_json
+from pd_server.ranks import READY
 from pd_server.security import RequestGuard, api_key
 from pd_server.serving import ServerContext
 from pd_server.sse_response import with_server_send
@@ -173,8 +175,9 @@ def build_app(ctx: ServerContext):
         reg, now = ctx.registry, time.monotonic()
         status = reg.status
         body = {"status": status, "model": ctx.model_name, "max_model_len": reg.max_model_len,
-                "rank_addr": ctx.dispatcher.address, "ranks": [r.describe(now) for r in reg.ranks.values()]}
-        return Response(to_json(body), status_code=200 if status == "ok" else 503, media_type=JSON)
+                "rank_addr": ctx.dispatcher.address, "ranks": [r.describe(now) for r in reg.ranks.values()],
+                "down": [r.name for r in reg.ranks.values() if r.state != READY and status == "degraded"]}
+        return Response(to_json(body), status_code=200 if status in ("ok", "degraded") else 503, media_type=JSON)
 
     @app.get("/metrics")
     async def metrics():
