@@ -37,8 +37,8 @@ from pd_server.completions import create_completion
 from pd_server.errors import APIError, error_json
 from pd_server.limits import check_chat, check_completion
 from pd_server.openai_responses import ResponsesRequest, create_response, to_chat
-from pd_server.responses import ModelCard, ModelList, to_json
 from pd_server.ranks import READY
+from pd_server.responses import ModelCard, ModelList, to_json
 from pd_server.security import RequestGuard, api_key
 from pd_server.serving import ServerContext
 from pd_server.sse_response import with_server_send
