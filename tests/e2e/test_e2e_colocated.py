@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -241,6 +242,20 @@ def test_tokenize_detokenize_and_the_model_card(colocated_system, client, engine
 def _idle(system) -> bool:
     return all(r["running"] == 0 and r["waiting"] == 0 and r["pages_used"] == 0 and r["inflight"] == 0
                for r in system.ranks().values())
+
+
+def test_keep_alive_outlives_an_agents_think_time(colocated_system):
+    """One connection reused after idle gaps around uvicorn's old 5 s keep-alive (and well past
+    it): still open (--keep-alive-s 75), no 'closing transport' failure."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    with httpx.Client(base_url=colocated_system.url, timeout=60, limits=httpx.Limits(keepalive_expiry=120)) as c:
+        peers = []
+        for gap in (0.0, 4.9, 5.2, 8.0):
+            time.sleep(gap)
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200
+            peers.append(r.extensions["network_stream"].get_extra_info("client_addr"))
+    assert len(set(peers)) == 1, peers  # the same local address: one connection throughout
 
 
 def test_client_disconnect_frees_pages(colocated_system):
