@@ -35,7 +35,7 @@ from engine.model_cache import cached_model_dir
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence, Status
+from engine.sequence import FinishReason, Sequence
 from engine.text_decoder import BackendDecoder, load_decoder
 from hicache.cache import HostCache
 

@@ -44,7 +44,6 @@ from zmq.utils.monitor import parse_monitor_message
 from pd_server import fanout
 from pd_server.cluster_auth import handshake_failure, secure_server, start_authenticator
 from pd_server.config import RouterConfig
-from pd_server.errors import APIError
 from pd_server.metrics import RouterMetrics, phase_durations
 from pd_server.migration import Migrator
 from pd_server.placement import Placer

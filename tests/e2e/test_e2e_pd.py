@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
