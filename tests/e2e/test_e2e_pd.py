@@ -12,6 +12,7 @@ path: same model, dtype, thread count and chunking; requests go one at a time).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -248,32 +249,45 @@ def test_abort_while_prefilling_frees_both_ranks(request, backend, engine):
     pd.wait_until(lambda: idle(pd), 30, "both ranks idle after a disconnect while prefilling")
 
 
-def _long_streams(system, n: int, max_tokens: int = 2000) -> list:
-    """n concurrent long streams; returns [(decode rank, prefill rank, cm, line iterator)] once
-    each has its first token."""
+def _long_streams(system, n: int, max_tokens: int = 2000, **extra) -> list:
+    """n concurrent long streams (body i: `extra` plus seed i); returns [(decode rank, prefill
+    rank, cm, line iterator, first data line, body)] once each has its first token."""
     out = []
     for i in range(n):
-        cm, r = _stream(system, {"prompt": f"Story number {i}:", "max_tokens": max_tokens, "ignore_eos": True})
+        body = {"prompt": f"Story number {i}:", "max_tokens": max_tokens, "ignore_eos": True, "seed": i, **extra}
+        cm, r = _stream(system, body)
         lines = r.iter_lines()
-        out.append((r.headers["x-pdserve-decode-rank"], r.headers["x-pdserve-rank"], cm, lines))
-    for *_, lines in out:
-        assert next(ln for ln in lines if ln.startswith("data: "))
+        out.append([r.headers["x-pdserve-decode-rank"], r.headers["x-pdserve-rank"], cm, lines, None, body])
+    for s in out:
+        s[4] = next(ln for ln in s[3] if ln.startswith("data: "))
     return out
+
+
+def _text(lines: list[str]) -> str:
+    chunks = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
 
 
 def test_killed_decode_rank_moves_its_requests_and_the_rest_serve(pd_shm, engine):
     """Kills decode-1 (pd_shm's second to last test): its stream goes on on decode-0 from the
-    tokens it had streamed (migration.py), to its last token, with no error."""
-    streams = _long_streams(pd_shm, 2, max_tokens=80)
+    tokens it had streamed (migration.py), to its last token, with no error; seeded sampling
+    at temperature 1 gives the text of an uninterrupted run."""
+    streams = _long_streams(pd_shm, 2, max_tokens=80, temperature=1.0)
     assert sorted(s[0] for s in streams) == ["decode-0", "decode-1"]
     os.kill(pd_shm.ranks()["decode-1"]["pid"], signal.SIGKILL)
+    texts = []
     try:
-        for dec, _, _, lines in streams:
-            rest = "\n".join(lines)
-            assert '"error"' not in rest and '"finish_reason":"length"' in rest, rest[-500:]
+        for dec, _, _, lines, first, body in streams:
+            rest = list(lines)
+            assert not any('"error"' in ln for ln in rest), rest[-3:]
+            assert any('"finish_reason":"length"' in ln for ln in rest), rest[-3:]
+            texts.append((_text([first, *rest]), body))
     finally:
-        for *_, cm, _ in streams:
-            cm.__exit__(None, None, None)
+        for s in streams:
+            s[2].__exit__(None, None, None)
+    for text, body in texts:  # uninterrupted, on the survivor
+        r = httpx.post(pd_shm.url + "/v1/completions", timeout=120, json={"model": MODEL, **body})
+        assert r.json()["choices"][0]["text"] == text
     assert 'pdserve_migrations_total{cause="exited",role="decode"} 1.0' in httpx.get(pd_shm.url + "/metrics").text
     assert pd_shm.ranks()["decode-1"]["state"] == "dead"
     ids = prompts(engine)[0]
