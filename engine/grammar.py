@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -103,8 +104,6 @@ def schema_ebnf(schema: dict | str, rule: str) -> str:
     `rule`, to be composed into a larger grammar (tool calls). Raises GrammarError."""
     text = schema if isinstance(schema, str) else json.dumps(schema)
     ebnf = str(to_grammar(GrammarSpec("json_schema", text)))
-    import re
-
     if re.search(rf"(?m)^{re.escape(rule)}\b", ebnf):
         raise GrammarError(f"rule name {rule!r} is taken")
     return re.sub(r"\broot\b", rule, ebnf)

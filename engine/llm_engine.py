@@ -23,16 +23,14 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import GrammarCompiler
-from engine.kv_cache import KVPool, SwaState
+from engine.kv_cache import KVPool
 from engine.model_cache import cached_model_dir
 from engine.model_runner import ModelRunner
+from engine.outputs import KVExport, KVReservation, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -40,53 +38,6 @@ from engine.text_decoder import BackendDecoder, load_decoder
 from hicache.cache import HostCache
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class KVExport:
-    """A prompt's KV as the prefill side computed it: everything a decode side needs to continue.
-
-    pages: [num_pages, num_full_layers, 2, page_size, kvh, hd] covering positions [0, num_tokens).
-    """
-
-    num_tokens: int
-    pages: torch.Tensor
-    swa: SwaState | None
-
-
-@dataclass
-class KVReservation:
-    """Device pages and an SWA slot taken for a prompt whose KV arrives by transfer.
-
-    pages cover positions [0, num_tokens) once filled; swa_slot is None for models without
-    sliding layers. Hand it to add_prefilled() (which takes ownership) or release_kv().
-    """
-
-    num_tokens: int
-    pages: list[int]
-    swa_slot: int | None
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text: str  # new text since the last output
-    finished: bool
-    finish_reason: str | None = None
-    stop_str: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    kv_export: KVExport | None = field(default=None, repr=False)
 
 
 class LLMEngine:

@@ -15,13 +15,13 @@ them (stop_reason, tool_use blocks, usage), for both the whole answer and the st
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
 import json
+from typing import Annotated, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pd_server.api_models import check_encodable
 from pd_server.serving import Choice
 from pd_server.tool_parser import ParsedToolCall
 
@@ -130,16 +130,7 @@ class CountTokensRequest(_Model):
     @model_validator(mode="before")
     @classmethod
     def _check_text(cls, data):
-        """As api_models.SamplingRequest: no lone surrogates, no nesting deeper than an encoder walks."""
-        try:
-            msgspec.json.encode(data)
-        except UnicodeEncodeError:
-            raise ValueError("strings must be valid Unicode (no lone surrogates such as \\ud800)") from None
-        except RecursionError:
-            raise ValueError("the request is nested too deeply") from None
-        except (TypeError, OverflowError, msgspec.EncodeError):
-            pass  # the field checks name the field
-        return data
+        return check_encodable(data)
 
     @model_validator(mode="after")
     def _check_tools(self):

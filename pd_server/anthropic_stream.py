@@ -76,10 +76,7 @@ class MessagesStream:
     def _blocks(self, ev: TokenEvent) -> bytes:
         text, calls = ev.text, []
         if self.parser is not None:
-            text, calls = self.parser.feed(ev.text)
-            if ev.finish_reason is not None:
-                t2, c2 = self.parser.finish()
-                text, calls = text + t2, calls + c2
+            text, calls = self.parser.feed_event(ev.text, ev.finish_reason is not None)
         out = []
         if text:
             if not self.text_open:

@@ -18,6 +18,22 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # a rank's token ids are int32
 
 
+def check_encodable(data):
+    """A request body's pre-validation: every string must be encodable as UTF-8 (JSON escapes
+    can carry lone surrogates, "\\ud800", which the tokenizer and any UTF-8 writer refuse), and
+    nothing nested deeper than an encoder can walk (a tool schema 1,000 objects deep). Returns
+    `data`; raises ValueError (a 400)."""
+    try:
+        msgspec.json.encode(data)
+    except UnicodeEncodeError:
+        raise ValueError("strings must be valid Unicode (no lone surrogates such as \\ud800)") from None
+    except RecursionError:
+        raise ValueError("the request is nested too deeply") from None
+    except (TypeError, OverflowError, msgspec.EncodeError):
+        pass  # not ours to judge: the field checks name the field
+    return data
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -53,18 +69,7 @@ class SamplingRequest(_Model):
     @model_validator(mode="before")
     @classmethod
     def _check_text(cls, data):
-        """Every string must be encodable as UTF-8: JSON escapes can carry lone surrogates
-        ("\\ud800"), which the tokenizer (and any UTF-8 writer) refuses. Also refuses
-        nesting deeper than an encoder can walk (a tool schema 1,000 objects deep)."""
-        try:
-            msgspec.json.encode(data)
-        except UnicodeEncodeError:
-            raise ValueError("strings must be valid Unicode (no lone surrogates such as \\ud800)") from None
-        except RecursionError:
-            raise ValueError("the request is nested too deeply") from None
-        except (TypeError, OverflowError, msgspec.EncodeError):
-            pass  # not ours to judge: the field checks below name the field
-        return data
+        return check_encodable(data)
 
     @model_validator(mode="after")
     def _check_shared(self):

@@ -151,10 +151,7 @@ class _ChatStream:
         if self.parsers is not None:
             p = self.parsers[idx]
             before = p.num_calls
-            text, calls = p.feed(ev.text)
-            if ev.finish_reason is not None:
-                t2, c2 = p.finish()
-                text, calls = text + t2, calls + c2
+            text, calls = p.feed_event(ev.text, ev.finish_reason is not None)
             delta.content = text
             if calls:
                 delta.tool_calls = _call_deltas(calls, before)

@@ -29,8 +29,10 @@ from starlette.responses import Response
 
 from pd_server.api_models import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDef, NamedToolChoice,
                                   ResponseFormat, Tool, ToolCall, ToolChoiceFunction, _Model)
+from pd_server.chat import submit_chat
 from pd_server.errors import bad_request
 from pd_server.serving import Choice, ServerContext, collect
+from pd_server.sse_response import SSEStream
 from pd_server.tool_parser import ParsedToolCall, parse_tool_calls
 
 JSON = "application/json"
@@ -222,9 +224,7 @@ def response_object(rid: str, created: float, model: str, req: ResponsesRequest,
 async def create_response(req: ResponsesRequest, chat_req: ChatCompletionRequest, request: Request,
                           ctx: ServerContext) -> Response:
     """Steps 2-3 for `req`, whose to_chat() is `chat_req` (checked against the limits by the app)."""
-    from pd_server.chat import submit_chat
-    from pd_server.openai_responses_stream import ResponsesStream
-    from pd_server.sse_response import SSEStream
+    from pd_server.openai_responses_stream import ResponsesStream  # (it imports this module)
 
     sub = await submit_chat(chat_req, ctx, prefix="resp")
     rid = sub.rid.replace("resp-", "resp_", 1)

@@ -60,10 +60,7 @@ class ResponsesStream:
             self.choice.add(ev)
             text, calls = ev.text, []
             if self.parser is not None:
-                text, calls = self.parser.feed(ev.text)
-                if ev.finish_reason is not None:
-                    t2, c2 = self.parser.finish()
-                    text, calls = text + t2, calls + c2
+                text, calls = self.parser.feed_event(ev.text, ev.finish_reason is not None)
             if text:
                 out.append(self._text(text))
             if calls or ev.finish_reason is not None:

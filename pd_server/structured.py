@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, schema_ebnf
+from engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, schema_ebnf, to_grammar
 from pd_server.api_models import ChatCompletionRequest, NamedToolChoice
 from pd_server.errors import bad_request
 
@@ -62,8 +62,6 @@ def grammar_for(req: ChatCompletionRequest) -> GrammarSpec | None:
                           "response_format")
     spec = GrammarSpec("json_schema", json.dumps(schema))
     try:
-        from engine.grammar import to_grammar
-
         to_grammar(spec)  # names the problem of an invalid or unsupported schema
     except GrammarError as e:
         raise bad_request(f"response_format: {e}", "response_format") from None

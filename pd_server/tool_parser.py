@@ -99,6 +99,14 @@ class ToolCallParser:
             self._buf, self._pending = self._buf + self._pending, ""
         return self._advance(final=True)
 
+    def feed_event(self, text: str, last: bool) -> tuple[str, list[ParsedToolCall]]:
+        """A stream's event: feed(text), then finish() when it is the request's last."""
+        out, calls = self.feed(text)
+        if last:
+            t2, c2 = self.finish()
+            out, calls = out + t2, calls + c2
+        return out, calls
+
     def _advance(self, final: bool) -> tuple[str, list[ParsedToolCall]]:
         pieces: list[str | ParsedToolCall] = []  # content and calls, in output order
         while True:

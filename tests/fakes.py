@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.llm_engine import KVReservation
+from engine.outputs import KVReservation
 from hicache.transfer.base import TransferHandle
 
 

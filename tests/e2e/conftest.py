@@ -126,6 +126,20 @@ def colocated_system(tmp_path_factory):
         stop_system(system)
 
 
+@pytest.fixture(scope="module")
+def pd_handoff_system(tmp_path_factory):
+    """1 prefill + 1 decode rank, shm, every prompt through the prefill rank (--disagg always):
+    the PD twin of colocated_system for the API tests (one per module that asks for it)."""
+    system = start_system(tmp_path_factory.mktemp("pd-handoff"),
+                          ["--prefill", "1", "--decode", "1", "--transfer", "shm", "--disagg", "always",
+                           "--model", MODEL, "--kv-cache-gb", "0.25", "--num-threads", "1", "--max-num-seqs", "16",
+                           "--handoff-pool-gb", "0.2", "--hicache-size-gb", "0"], timeout=420)
+    try:
+        yield system
+    finally:
+        stop_system(system)
+
+
 @pytest.fixture(scope="session")
 def fake_system(tmp_path_factory):
     system = start_system(tmp_path_factory.mktemp("fake"),

@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.e2e.conftest import start_system, stop_system
 
 pytestmark = pytest.mark.slow
 
@@ -36,21 +35,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
-@pytest.fixture(scope="module")
-def pd_system(tmp_path_factory):
-    system = start_system(tmp_path_factory.mktemp("pd-structured"),
-                          ["--prefill", "1", "--decode", "1", "--transfer", "shm", "--disagg", "always",
-                           "--model", MODEL, "--kv-cache-gb", "0.25", "--num-threads", "1", "--max-num-seqs", "16",
-                           "--handoff-pool-gb", "0.2", "--hicache-size-gb", "0"], timeout=420)
-    try:
-        yield system
-    finally:
-        stop_system(system)
-
-
 @pytest.fixture(params=["colocated", "pd"])
 def system(request):
-    return request.getfixturevalue("colocated_system" if request.param == "colocated" else "pd_system")
+    return request.getfixturevalue("colocated_system" if request.param == "colocated" else "pd_handoff_system")
 
 
 _CLIENTS: dict[str, openai.OpenAI] = {}
@@ -112,11 +99,11 @@ def test_json_schema_and_object(system):
     assert text == c.chat.completions.create(**_schema_request()).choices[0].message.content
 
 
-def test_pd_equals_colocated_under_a_grammar(colocated_system, pd_system):
+def test_pd_equals_colocated_under_a_grammar(colocated_system, pd_handoff_system):
     for body in (_schema_request(3), dict(model=MODEL, messages=ASK, max_tokens=80, temperature=0, tools=TOOLS,
                                           tool_choice="required", parallel_tool_calls=False)):
         a = _client(colocated_system).chat.completions.create(**body).choices[0].message
-        b = _client(pd_system).chat.completions.create(**body).choices[0].message
+        b = _client(pd_handoff_system).chat.completions.create(**body).choices[0].message
         assert a.content == b.content
         assert [(k.function.name, k.function.arguments) for k in a.tool_calls or ()] == \
                [(k.function.name, k.function.arguments) for k in b.tool_calls or ()]

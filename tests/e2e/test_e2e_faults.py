@@ -1,5 +1,6 @@
 """Faults on real started systems: hung ranks, ranks that never load, the supervisor, a router
-or launcher that dies under its ranks, kills inside the KV-transfer window, backpressure.
+or launcher that dies under its ranks, backpressure (kills inside the KV-transfer window:
+test_e2e_faults_pd.py).
 
 Stand-in ranks (decode/fake_rank.py) where the router's behaviour is the point, real ranks
 (the embedded model, 1 thread, small KV) where pages, shared memory and transfers are.
@@ -286,98 +287,6 @@ def test_killed_launcher_takes_its_ranks_and_their_shared_memory_along(tmp_path)
         assert not shm_of(pid)
     finally:
         stop_system(system)
-
-
-# ---- PD, real ranks, supervised ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pd_sup(tmp_path_factory):
-    # Every KV read waits 3 s (the handoff stays pinned in the prefill rank's pool meanwhile). The
-    # cluster secret puts both rank links on CURVE (restarted ranks get it from the launcher too).
-    os.environ["PDSERVE_FAULT"] = "decode-0:delay_pull:3,decode-1:delay_pull:3"
-    os.environ["PDSERVE_CLUSTER_SECRET"] = "pd-sup-secret"
-    try:
-        system = start_system(tmp_path_factory.mktemp("pd-sup"),
-                              [*REAL, "--prefill", "1", "--decode", "2", "--transfer", "shm", "--hicache-size-gb", "0",
-                               "--kv-cache-gb", "0.1", "--handoff-pool-gb", "0.05", "--supervise", "--disagg", "always",
-                               "--max-restarts", "3", "--restart-backoff-s", "0.5"], timeout=420)
-    finally:
-        del os.environ["PDSERVE_FAULT"], os.environ["PDSERVE_CLUSTER_SECRET"]
-    try:
-        yield system
-    finally:
-        stop_system(system)
-
-
-def _restarted(system, name: str, old_pid: int) -> bool:
-    r = system.ranks()[name]
-    return r["state"] == "ready" and r["pid"] != old_pid
-
-
-BODY = {"prompt": "Once upon a time " * 20, "max_tokens": 16}
-
-
-def _kill_in_transfer_window(system, target_role: str) -> tuple[str, str, int, float]:
-    """A request whose first token is out and whose KV waits to be pulled; kill -9 the rank of
-    `target_role` holding it. Returns (SSE text, killed rank name, its pid, seconds to the end)."""
-    killed = {}
-
-    def kill(headers):
-        name = headers["x-pdserve-rank"] if target_role == "prefill" else headers["x-pdserve-decode-rank"]
-        system.wait_until(lambda: system.ranks()["prefill-0"]["handoffs"] > 0, 5, "the handoff pinned")
-        pid = system.ranks()[name]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        killed.update(name=name, pid=pid, t=time.monotonic())
-
-    text, _ = stream_until_end(system, BODY, on_first=kill)
-    return text, killed["name"], killed["pid"], time.monotonic() - killed["t"]
-
-
-def test_decode_rank_killed_during_kv_transfer_then_restarted_serves(pd_sup):
-    """The request moves to the other decode rank, which prefills it with its first token and
-    decodes on: the same text as an uninterrupted run."""
-    text, name, pid, took = _kill_in_transfer_window(pd_sup, "decode")
-    assert sse_text(text)[0] == complete(pd_sup, BODY).json()["choices"][0]["text"] and took < FAST_S
-    pd_sup.wait_until(lambda: _restarted(pd_sup, name, pid), 120, f"{name} restarted")
-    assert not shm_of(pid)
-    pd_sup.wait_until(lambda: idle(pd_sup), FAST_S, "prefill pins released")
-    seen = set()
-    for _ in range(2):  # the restarted rank has routed 0: it is picked first; Peers re-introduced it
-        r = complete(pd_sup, {"prompt": "The capital of France is", "max_tokens": 4})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-        seen.add(r.headers["x-pdserve-decode-rank"])
-    assert name in seen
-
-
-def test_prefill_rank_killed_during_kv_transfer_then_restarted_serves(pd_sup):
-    text, name, pid, took = _kill_in_transfer_window(pd_sup, "prefill")
-    # The decode rank cannot pull the dead rank's KV: the request moves to the other decode rank.
-    moved = sse_text(text)[0]
-    assert took < FAST_S
-    pd_sup.wait_until(lambda: _restarted(pd_sup, name, pid), 120, f"{name} restarted")
-    assert moved == complete(pd_sup, BODY).json()["choices"][0]["text"]  # (--disagg always: after the restart)
-    assert not shm_of(pid)  # its handoff pool, removed by the supervisor
-    r = complete(pd_sup, {"prompt": "The capital of France is", "max_tokens": 4})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-    pd_sup.wait_until(lambda: idle(pd_sup), FAST_S, "every rank idle")
-
-
-def test_hung_decode_rank_is_killed_and_replaced_by_the_supervisor(pd_sup):
-    stopped = {}
-
-    def stop_it(headers):
-        name = headers["x-pdserve-decode-rank"]
-        pd_sup.wait_until(lambda: pd_sup.ranks()[name]["running"] > 0, 20, "decoding started")
-        stopped.update(name=name, pid=pd_sup.ranks()[name]["pid"], t=time.monotonic())
-        os.kill(stopped["pid"], signal.SIGSTOP)
-
-    story = {"prompt": "Tell me a story", "max_tokens": 60, "ignore_eos": True}
-    text, _ = stream_until_end(pd_sup, story, on_first=stop_it)
-    assert sse_text(text)[0] == complete(pd_sup, story).json()["choices"][0]["text"]  # moved, not failed
-    pd_sup.wait_until(lambda: pid_gone(stopped["pid"]), FAST_S, "the hung rank killed")
-    pd_sup.wait_until(lambda: _restarted(pd_sup, stopped["name"], stopped["pid"]), 120, "the hung rank replaced")
-    pd_sup.wait_until(lambda: idle(pd_sup), FAST_S, "every rank idle")
-    r = complete(pd_sup, {"prompt": "The capital of France is", "max_tokens": 4})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
 
 
 # ---- backpressure ------------------------------------------------------------------------------------

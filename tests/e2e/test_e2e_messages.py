@@ -12,7 +12,6 @@ import json
 import anthropic
 import pytest
 
-from tests.e2e.conftest import start_system, stop_system
 
 pytestmark = pytest.mark.slow
 
@@ -28,21 +27,9 @@ GREEDY = {"temperature": 0}  # this client has no temperature argument; the API 
 STORY = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
 
 
-@pytest.fixture(scope="module")
-def pd_system(tmp_path_factory):
-    system = start_system(tmp_path_factory.mktemp("pd-messages"),
-                          ["--prefill", "1", "--decode", "1", "--transfer", "shm", "--disagg", "always",
-                           "--model", MODEL, "--kv-cache-gb", "0.25", "--num-threads", "1", "--max-num-seqs", "16",
-                           "--handoff-pool-gb", "0.2", "--hicache-size-gb", "0"], timeout=420)
-    try:
-        yield system
-    finally:
-        stop_system(system)
-
-
 @pytest.fixture(params=["colocated", "pd"])
 def system(request):
-    return request.getfixturevalue("colocated_system" if request.param == "colocated" else "pd_system")
+    return request.getfixturevalue("colocated_system" if request.param == "colocated" else "pd_handoff_system")
 
 
 _CLIENTS: dict[str, anthropic.Anthropic] = {}
@@ -155,11 +142,11 @@ def test_conversation_with_a_tool_result(system):
         model=MODEL, messages=turns, tools=TOOLS).input_tokens
 
 
-def test_pd_equals_colocated(colocated_system, pd_system):
+def test_pd_equals_colocated(colocated_system, pd_handoff_system):
     for kw in (dict(messages=STORY, max_tokens=24), dict(messages=ASK, max_tokens=80, tools=TOOLS,
                                                          tool_choice={"type": "any"})):
         a = _client(colocated_system).messages.create(model=MODEL, extra_body=GREEDY, **kw)
-        b = _client(pd_system).messages.create(model=MODEL, extra_body=GREEDY, **kw)
+        b = _client(pd_handoff_system).messages.create(model=MODEL, extra_body=GREEDY, **kw)
         assert [(x.type, x.text if x.type == "text" else (x.name, x.input)) for x in a.content] == \
                [(x.type, x.text if x.type == "text" else (x.name, x.input)) for x in b.content]
         assert (a.stop_reason, a.usage.output_tokens) == (b.stop_reason, b.usage.output_tokens)
