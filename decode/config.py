@@ -72,8 +72,12 @@ class HandoffConfig:
     transfer: TransferKind = opt("auto", "KV transfer backend: nixl (UCX), shm (same host), auto (nixl if it "
                                          "starts, else shm); every PD rank must use the same")
     handoff_lease_s: float = opt(10.0, "prefill: a handed-off request's pinned KV is released after this long "
-                                       "without Pulled/PullFailed (and the request fails); decode: no read starts "
-                                       "later than this minus a margin after the handoff arrived")
+                                       "without Pulled/PullFailed or a Renew from the decode rank (and the "
+                                       "request fails); decode: renews every third of it while it holds a "
+                                       "handoff, and starts no read later than this minus a margin after the "
+                                       "handoff arrived or its last Renew")
+    handoff_wait_s: float = opt(120.0, "decode: a handed-off request waits at most this long for room on the "
+                                       "rank (its prefill rank's lease renewed meanwhile), then fails with 503")
     handoff_pool_gb: float = opt(0.25, "prefill: GiB of shared memory for KV waiting to be pulled (pages and "
                                        "SWA states of requests in prefill or handed off); a full pool holds "
                                        "new prompts back")
@@ -81,11 +85,5 @@ class HandoffConfig:
     def __post_init__(self) -> None:
         if self.transfer not in ("auto", "nixl", "shm"):
             raise ValueError(f"transfer must be auto, nixl or shm, got {self.transfer!r}")
-        if self.handoff_lease_s <= 0 or self.handoff_pool_gb <= 0:
-            raise ValueError("handoff_lease_s and handoff_pool_gb must be > 0")
-
-    @property
-    def pull_deadline_s(self) -> float:
-        """Decode side: latest start of a read after the handoff arrived (a margin for the
-        read itself and the network before the prefill rank's lease runs out)."""
-        return self.handoff_lease_s - min(1.0, self.handoff_lease_s / 4)
+        if self.handoff_lease_s <= 0 or self.handoff_pool_gb <= 0 or self.handoff_wait_s <= 0:
+            raise ValueError("handoff_lease_s, handoff_wait_s and handoff_pool_gb must be > 0")

@@ -2,7 +2,9 @@
 
 A handed-off request on a decode rank:
   1. Queued: the Handoff arrived (from a prefill rank that said PeerHello and was added to the
-     transfer backend). FIFO; the KV waits, pinned, in the prefill rank's handoff pool.
+     transfer backend). FIFO; the KV waits, pinned, in the prefill rank's handoff pool. While
+     this rank holds the handoff (queued or pulling) it sends the prefill rank a Renew every
+     third of the lease, so a full rank keeps the pins for as long as it waits for room.
   2. Pulling: the engine had room (reserve_kv: device pages, an SWA slot, a sequence place);
      two reads run on the backend's thread, the prompt's pages into the reserved pages and the
      SWA rings (one window per sliding layer, never more) into the reserved slot, while the
@@ -17,8 +19,12 @@ Failure paths, every one answering the prefill rank exactly once per Handoff it 
   - abort while queued: dropped, PullFailed("aborted"); while pulling: the read finishes,
     then pages back and Pulled; before the Handoff arrived: remembered (`_tombstones`), the
     Handoff is refused on arrival;
-  - no room until `deadline_s` after arrival (the prefill rank's lease minus a margin):
-    PullFailed, RequestError 503 (the rank is overloaded; nothing was read);
+  - no room within `wait_s` (--handoff-wait-s) of arrival: PullFailed, RequestError 503 (the
+    rank is overloaded; nothing was read);
+  - no read may start once the lease this rank last renewed (less a margin for the read and
+    the network) has run out, which only happens after this thread stalled for most of a
+    lease (the prefill rank then releases the pins and fails the request itself): PullFailed,
+    RequestError 503, nothing read;
   - the prefill rank leaves the router's Peers: its peer is removed from the backend (reads
     in flight then fail) and its queued handoffs fail with RequestError 500.
 """
@@ -35,12 +41,19 @@ import msgspec
 from engine.sampling_params import SamplingParams
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.prefill_decode import (PAGES_REGION, STATES_REGION, Handoff, PeerHello, PeerReject,
-                                               PeerWelcome, PrefillTimes, Pulled, PullFailed)
+                                               PeerWelcome, PrefillTimes, Pulled, PullFailed, Renew)
 from pd_server.protocol.rank_router import RequestError
 
 log = logging.getLogger(__name__)
 
 TOMBSTONE_S = 60.0  # how long an abort that came before its Handoff is remembered
+RENEWS_PER_LEASE = 3  # Renew a held handoff every lease_s / this
+
+
+def lease_margin(lease_s: float) -> float:
+    """How long before the prefill rank's lease runs out this rank stops starting reads (time
+    for the read itself and for messages in flight)."""
+    return min(1.0, lease_s / 4)
 
 
 @dataclass
@@ -57,7 +70,9 @@ class Committed:
 class _Incoming:
     sender: bytes
     handoff: Handoff
-    deadline: float  # monotonic: no read starts after this
+    wait_end: float  # monotonic: no room by then -> 503
+    lease_end: float = 0.0  # monotonic: no read starts after this (the last renewal's lease, less a margin)
+    renew_at: float = 0.0  # monotonic: the next Renew is due
     res: object = None  # engine KVReservation, once pulling
     handles: list = field(default_factory=list)
     pull_start: float = 0.0
@@ -72,13 +87,13 @@ class HandoffReceiver:
     `clock` is monotonic seconds, `wall` the wall clock (tests pass fakes).
     """
 
-    def __init__(self, engine, backend, name: str, deadline_s: float,
+    def __init__(self, engine, backend, name: str, wait_s: float,
                  send_peer: Callable[[bytes, msgspec.Struct], None],
                  send_router: Callable[[msgspec.Struct], None],
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
                  delay_pull_s: float = 0.0) -> None:
         self.engine, self.backend, self.name = engine, backend, name
-        self.deadline_s = deadline_s
+        self.wait_s = wait_s
         self.delay_pull_s = delay_pull_s  # fault injection (decode/faults.py): hold each read back
         self.send_peer, self.send_router = send_peer, send_router
         self.clock, self.wall = clock, wall
@@ -143,8 +158,9 @@ class HandoffReceiver:
         if problem is not None:
             self._fail(_Incoming(sender, h, 0.0), 500, problem)
             return
-        self.queue.append(_Incoming(sender, h, self.clock() + self.deadline_s, start_after=self.clock() +
-                                    self.delay_pull_s))
+        now = self.clock()
+        self.queue.append(_Incoming(sender, h, now + self.wait_s, now + h.lease_s - lease_margin(h.lease_s),
+                                    now + h.lease_s / RENEWS_PER_LEASE, start_after=now + self.delay_pull_s))
 
     def on_abort(self, rid: str) -> bool:
         """Abort a handoff this rank holds (True), else remember it in case the Handoff is still
@@ -187,18 +203,23 @@ class HandoffReceiver:
 
     # ---- between steps ---------------------------------------------------------------------
     def progress(self) -> list[Committed]:
-        """Poll reads, commit finished ones, start new ones while there is room."""
+        """Poll reads, commit finished ones, renew leases, start new reads while there is room."""
         done = self._poll()
         now = self.clock()
         for rid, exp in list(self._tombstones.items()):
             if exp <= now:
                 del self._tombstones[rid]
+        for inc in [i for i in self.queue if now > i.lease_end]:  # this thread stalled past the lease
+            self.queue.remove(inc)  # (the prefill rank may have released the pins already)
+            self._fail(inc, 503, f"decode rank {self.name} stalled past the {inc.handoff.lease_s:.1f}s "
+                                 "handoff lease; the KV was not read")
+        self._renew(now)
         while self.queue:
             inc = self.queue[0]
-            if now > inc.deadline:
+            if now > inc.wait_end:
                 self.queue.popleft()
                 self._fail(inc, 503, f"decode rank {self.name} had no room for this request's KV within "
-                                     f"{self.deadline_s:.1f}s; the system is overloaded, retry later")
+                                     f"{self.wait_s:.1f}s; the system is overloaded, retry later")
                 continue
             if now < inc.start_after:
                 break
@@ -208,6 +229,19 @@ class HandoffReceiver:
             self.queue.popleft()
             self._start(inc, res)
         return done + self._poll()  # tiny reads finish inside read()
+
+    def _renew(self, now: float) -> None:
+        """Renew every held handoff whose Renew is due, one message per prefill rank. Renewing
+        early is harmless (the prefill rank's lease only moves forward from its clock)."""
+        due: dict[bytes, list[_Incoming]] = {}
+        for inc in (*self.queue, *self.pulling.values()):
+            if now >= inc.renew_at and inc.sender in self.peers:
+                due.setdefault(inc.sender, []).append(inc)
+        for sender, incs in due.items():
+            for inc in incs:
+                lease = inc.handoff.lease_s
+                inc.renew_at, inc.lease_end = now + lease / RENEWS_PER_LEASE, now + lease - lease_margin(lease)
+            self.send_peer(sender, Renew([inc.handoff.request_id for inc in incs]))
 
     def _start(self, inc: _Incoming, res) -> None:
         h, peer = inc.handoff, self.peers[inc.sender]

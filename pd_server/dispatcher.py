@@ -253,6 +253,10 @@ class Dispatcher:
             # A 5xx for a request whose other rank died (a decode rank that could not pull the
             # KV of a dead prefill rank) moves it, as that rank's death would have.
             p = self.pending.get(msg.request_id)
+            if p is not None and rank not in p.ranks():  # a rank the request moved away from (a lease
+                log.info("ignoring %s's error for %s, which moved to %s: %s", rank.name, msg.request_id,
+                         p.rank.name, msg.message)  # running out on a prefill rank after its decode died)
+                return
             dead = next((r for r in p.ranks() if not r.live), None) if p and msg.status >= 500 else None
             if dead is None or not self.migrator.move(msg.request_id, p, dead, dead.dead_reason):
                 self._fail(msg.request_id, Failure(msg.status, msg.message))

@@ -16,6 +16,8 @@ A request's pages here go through, exactly once each:
                    one too) and the SWA slot are copied into the reserved ones, then go back
                    to the device pool;
   3. hand_off()    the Handoff is sent: the lease starts;
+     renew()       a Renew from that decode rank (it still holds the handoff, queued for room
+                   or reading): the lease runs lease_s from now again;
   4. release()     on Pulled or PullFailed, on lease expiry (`expired`), when the decode peer
                    goes away (`handed_to`), or when the request ends before a handoff (abort,
                    finished at its first token). A second release of the same request is a
@@ -178,6 +180,17 @@ class HandoffSender:
         """The Handoff went to `peer`: the lease starts now."""
         e = self.entries[rid]
         e.status, e.peer, e.deadline = HANDED_OFF, peer, self.clock() + self.lease_s
+
+    def renew(self, rids: list[str], peer: bytes) -> int:
+        """Extend the leases of `rids` handed off to `peer` (others, and released ones, are
+        skipped: a Renew can cross a release). Returns how many were extended."""
+        until, n = self.clock() + self.lease_s, 0
+        for rid in rids:
+            e = self.entries.get(rid)
+            if e is not None and e.status == HANDED_OFF and e.peer == peer:
+                e.deadline = until
+                n += 1
+        return n
 
     def release(self, rid: str, why: str) -> bool:
         """Free the request's pages and state slot; False if already released (or unknown)."""

@@ -19,9 +19,10 @@ Request life cycle on a prefill rank:
      rank; the lease starts. Both happen before the engine's next step. A request that ends
      at its first token (eos, max_tokens=1, a stop string) finishes here instead and never
      reaches a decode rank.
-  5. Pulled / PullFailed from the decode rank releases the pins. Without either within the
-     lease, the pins are released anyway and the request fails at the router (RequestError
-     504). A decode rank leaving the router's Peers, or refusing our PeerHello, fails and
+  5. Pulled / PullFailed from the decode rank releases the pins; its Renew (every third of
+     the lease while it holds the handoff, e.g. queued on a full rank) extends the lease.
+     Without any of them within the lease, the pins are released anyway and the request
+     fails at the router (RequestError 504: the decode rank died or went silent). A decode rank leaving the router's Peers, or refusing our PeerHello, fails and
      releases its handoffs at once. Every release happens exactly once (handoff_sender.py).
   6. Abort: held -> dropped; prefilling -> engine.abort and release; handed off -> nothing
      here (the decode rank answers the Handoff with PullFailed or Pulled).
@@ -44,7 +45,7 @@ from decode.rank_setup import load_engine, make_transfer
 from decode.rank_link import RankLink
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes,
-                                               Pulled, PullFailed)
+                                               Pulled, PullFailed, Renew)
 from pd_server.protocol.rank_router import RequestError, TokenBatch
 from pd_server.protocol.router_rank import Abort, Generate, Peers
 from prefill.handoff_sender import HandoffSender
@@ -148,7 +149,9 @@ class PrefillLoop(RankLoop):
                 self._on_abort(g.request_id)
 
     def _on_peer(self, name: str, msg) -> None:
-        if isinstance(msg, (Pulled, PullFailed)):
+        if isinstance(msg, Renew):
+            self.sender.renew(msg.request_ids, name.encode())
+        elif isinstance(msg, (Pulled, PullFailed)):
             if not self.sender.release(msg.request_id, "pulled" if isinstance(msg, Pulled) else msg.reason) \
                     and isinstance(msg, Pulled):
                 log.warning("%s pulled %s after its lease ran out", name, msg.request_id)

@@ -3,7 +3,8 @@
     router_rank.py     router -> rank   (Welcome, Reject, Peers, Generate, Abort, Ping, Shutdown)
     rank_router.py     rank -> router   (Hello, TokenBatch of TokenEvent, RankStats, CacheEvents, RequestError,
                                       Goodbye)
-    prefill_decode.py  prefill <-> decode (PeerHello, Handoff; PeerWelcome, PeerReject, Pulled, PullFailed)
+    prefill_decode.py  prefill <-> decode (PeerHello, Handoff; PeerWelcome, PeerReject, Renew, Pulled,
+                                      PullFailed)
     codec.py           msgpack encoder and the typed decoder for each direction
 
 Definitions only (plus the codec); the logic lives with the router (pd_server/) and the
@@ -29,8 +30,9 @@ from typing import Literal
 # serves a Generate (decode_rank -1) by prefilling it itself (conditional disaggregation, --disagg),
 # and its Hello names its host cache (cache_root) and it sends CacheEvents like a prefill rank.
 # 5: Sampling.grammar (a constrained request's (kind, text); also in Handoff.sampling), and
-# Generate.resume_ids (a request moved from a dead rank).
-PROTOCOL_VERSION = 5
+# Generate.resume_ids (a request moved from a dead rank). 6: Renew (decode -> prefill: renewable
+# handoff leases).
+PROTOCOL_VERSION = 6
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (pd_server/cluster_auth.py).
 # The largest legitimate frames: a Generate or Handoff of a 1M-token prompt (<= 5 bytes per id in

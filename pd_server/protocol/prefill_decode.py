@@ -10,11 +10,16 @@ Life of a connection and of one handed-off request:
   2. Handoff (prefill -> decode): a request whose first token is sampled and whose prompt KV
      sits pinned in the prefill rank's handoff pool (page ids + an SWA state slot). Tensors
      never ride here: the decode rank READs those pages through the transfer backend.
-  3. Pulled (decode -> prefill) once the read is over, or PullFailed (read failed, aborted,
-     lease ran out while waiting for room): the prefill rank releases the pins, exactly once.
-     Without either within `lease_s`, the prefill rank releases them anyway and fails the
-     request at the router; the decode rank never starts a read later than lease_s minus a
-     safety margin after it received the handoff.
+  3. Renew (decode -> prefill) every lease_s / 3 while the decode rank holds the handoff
+     (queued for room, or being read): the prefill rank extends those requests' leases to
+     lease_s from the Renew's arrival. A live decode rank that is full keeps its handoffs; only
+     a dead or silent one lets a lease run out.
+  4. Pulled (decode -> prefill) once the read is over, or PullFailed (read failed, aborted,
+     no room within the decode rank's --handoff-wait-s): the prefill rank releases the pins,
+     exactly once. Without either, and without a Renew, for `lease_s`, the prefill rank
+     releases them anyway and fails the request at the router; the decode rank never starts a
+     read later than lease_s minus a safety margin after it received the handoff or last sent
+     a Renew for it.
 """
 from __future__ import annotations
 
@@ -71,10 +76,16 @@ class Pulled(msgspec.Struct, frozen=True, array_like=True, tag="pulled"):
     request_id: str
 
 
+class Renew(msgspec.Struct, frozen=True, array_like=True, tag="renew"):
+    """The decode rank still holds these handoffs (queued or being read): keep their pins."""
+
+    request_ids: list[str]
+
+
 class PullFailed(msgspec.Struct, frozen=True, array_like=True, tag="pull_failed"):
     request_id: str
     reason: str  # human-readable, for logs
 
 
 PrefillToDecode = PeerHello | Handoff
-DecodeToPrefill = PeerWelcome | PeerReject | Pulled | PullFailed
+DecodeToPrefill = PeerWelcome | PeerReject | Renew | Pulled | PullFailed

@@ -325,3 +325,35 @@ def test_full_queues_and_pools_answer_429_or_503_and_never_lose_a_request(tmp_pa
         assert r.status_code == 200
     finally:
         stop_system(system)
+
+
+def test_a_full_decode_rank_keeps_its_handoffs_for_longer_than_the_lease(tmp_path):
+    """One sequence at a time on the decode rank and a 1.5 s lease: the later requests wait for
+    room several leases long, their KV pinned on the prefill rank by the decode rank's Renews;
+    every one completes (no 503 or 504) and the pins come back."""
+    lease_s = 1.5
+    system = start_system(tmp_path, ["--model", MODEL, "--num-threads", "1", "--max-num-seqs", "1",
+                                     "--prefill", "1", "--decode", "1", "--transfer", "shm", "--kv-cache-gb", "0.05",
+                                     "--handoff-lease-s", str(lease_s), "--disagg", "always"], timeout=300)
+    results: dict[int, tuple[int, dict, float]] = {}
+
+    def one(i: int) -> None:
+        t0 = time.monotonic()
+        r = complete(system, {"prompt": f"Request {i}: tell me about the sea.", "max_tokens": 48,
+                              "ignore_eos": True}, timeout=150)
+        results[i] = (r.status_code, r.json(), time.monotonic() - t0)
+
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=160)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        assert [c for c, _, _ in results.values()] == [200] * 4, results
+        assert all(b["usage"]["completion_tokens"] == 48 for _, b, _ in results.values())
+        # The premise: some request waited (for the decode rank's one place) for more than a lease.
+        assert max(s for _, _, s in results.values()) > 2 * lease_s, results
+        system.wait_until(lambda: idle(system), FAST_S, "both ranks idle")
+    finally:
+        stop_system(system)

@@ -1,6 +1,6 @@
 """Faults on a supervised PD system of real ranks (1 prefill + 2 decode, every KV read delayed
-3 s): kill -9 of either rank inside the KV-transfer window and SIGSTOP of a decode rank while it
-decodes. Each request moves to the other decode rank (pd_server/migration.py) and ends with the
+3 s): kill -9 of either rank inside the KV-transfer window, SIGSTOP of a decode rank while it
+decodes and of the prefill rank with a request queued on it. Each request moves to the other decode rank (pd_server/migration.py) and ends with the
 text of an uninterrupted run; the supervisor restarts the dead rank, which serves again, and
 every pin and page returns. Helpers and bounds: test_e2e_faults.py.
 """
@@ -105,6 +105,26 @@ def test_hung_decode_rank_is_killed_and_replaced_by_the_supervisor(pd_sup):
     assert sse_text(text)[0] == complete(pd_sup, story).json()["choices"][0]["text"]  # moved, not failed
     pd_sup.wait_until(lambda: pid_gone(stopped["pid"]), FAST_S, "the hung rank killed")
     pd_sup.wait_until(lambda: _restarted(pd_sup, stopped["name"], stopped["pid"]), 120, "the hung rank replaced")
+    pd_sup.wait_until(lambda: idle(pd_sup), FAST_S, "every rank idle")
+    r = complete(pd_sup, {"prompt": "The capital of France is", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+def test_hung_prefill_rank_moves_the_request_queued_on_it_to_a_decode_rank(pd_sup):
+    """SIGSTOP of the only prefill rank, then a request: it is sent there (the rank still looks
+    alive) and waits, unprefilled, in a stopped process. The router marks the rank dead after
+    --rank-timeout-s and moves the request to a decode rank, which prefills it itself: the text of
+    an uninterrupted run, no error. The supervisor kills and replaces the hung rank."""
+    uninterrupted = complete(pd_sup, BODY).json()["choices"][0]["text"]
+    pid = pd_sup.ranks()["prefill-0"]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = complete(pd_sup, BODY, timeout=60)
+    finally:
+        if not pid_gone(pid):
+            pd_sup.wait_until(lambda: pid_gone(pid), FAST_S, "the hung prefill rank killed")
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == uninterrupted, r.text
+    pd_sup.wait_until(lambda: _restarted(pd_sup, "prefill-0", pid), 120, "the hung rank replaced")
     pd_sup.wait_until(lambda: idle(pd_sup), FAST_S, "every rank idle")
     r = complete(pd_sup, {"prompt": "The capital of France is", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text

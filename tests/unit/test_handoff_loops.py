@@ -54,7 +54,7 @@ class Pair:
     """A prefill loop and a decode loop on tiny engines, messages moved by `turn()`."""
 
     def __init__(self, path, clock: FakeClock | None = None, lease_s: float = 10.0, auto: bool = True,
-                 pool_gb: float = 0.001) -> None:
+                 pool_gb: float = 0.001, wait_s: float = 120.0) -> None:
         self.clock = clock or FakeClock()
         world = FakeWorld()
         pre, dec = _engine(path), _engine(path)
@@ -66,7 +66,7 @@ class Pair:
         self.dec_backend.register(PAGES_REGION, dec.pool.full, 0)
         if dec.pool.num_slots:
             self.dec_backend.register(STATES_REGION, dec.pool.swa, 0)
-        self.prefill, self.decode = PrefillLoop(pre, self.sender), DecodeLoop(dec, self.dec_backend, "decode-0", 5.0)
+        self.prefill, self.decode = PrefillLoop(pre, self.sender), DecodeLoop(dec, self.dec_backend, "decode-0", wait_s)
         self.prefill.link, self.decode.link = FakeLink(), FakeLink()
         self.decode.receiver.clock = self.clock
         for loop in (self.prefill, self.decode):
@@ -171,6 +171,35 @@ def test_lease_expiry_releases_pins_once_and_fails_the_request(tiny_model_dir):
         assert pair.sender.released == 1 and pair.sender.pool.free_pages == pair.sender.pool.num_pages
     finally:
         pair.close()
+
+
+def test_a_full_decode_rank_renews_the_lease_and_the_request_completes(tiny_model_dir):
+    """The decode rank has no room for four leases: its Renews keep the prefill rank's pins;
+    nothing fails; once room appears the request decodes the tokens of an unhindered run."""
+    pair = Pair(tiny_model_dir("llama"), lease_s=3.0)
+    ref = Pair(tiny_model_dir("llama"))
+    try:
+        prompt = _prompts((37,))[0]
+        for p in (pair, ref):
+            p.generate("r0", prompt)
+        dec = pair.decode.engine
+        reserve, dec.reserve_kv = dec.reserve_kv, lambda n: None  # full
+        for _ in range(40):  # 12 s of fake time in 0.3 s turns
+            pair.clock.advance(0.3)
+            pair.turn()
+        assert not pair.errors() and pair.sender.num_handed_off == 1 and pair.sender.pages_used == 10
+        assert pair.decode.receiver.num_handoffs == 1
+        dec.reserve_kv = reserve
+        for p in (pair, ref):
+            for _ in range(40):
+                p.turn()
+                if p.finished() and p.idle():
+                    break
+        assert pair.tokens()["r0"] == ref.tokens()["r0"] and len(pair.tokens()["r0"]) == 10
+        assert pair.idle() and not pair.errors() and pair.sender.released == 1
+    finally:
+        pair.close()
+        ref.close()
 
 
 def test_abort_while_prefilling_and_while_pulling_frees_both_sides(tiny_model_dir):

@@ -10,17 +10,19 @@ import pytest
 from decode.handoff_receiver import HandoffReceiver
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.prefill_decode import (PAGES_REGION, STATES_REGION, Handoff, PeerHello, PeerReject,
-                                               PeerWelcome, PrefillTimes, Pulled, PullFailed)
+                                               PeerWelcome, PrefillTimes, Pulled, PullFailed, Renew)
 from pd_server.protocol.rank_router import RequestError
 from pd_server.protocol.router_rank import Sampling
 from tests.fakes import FakeBackend, FakeClock, FakeEngine, FakeWorld
 
 PEER = b"prefill-0-123"
-DEADLINE_S = 5.0
+WAIT_S = 5.0  # --handoff-wait-s
+LEASE_S = 10.0  # the handoffs' lease
 
 
 class Rig:
-    def __init__(self, room: int = 64, swa: bool = False, auto: bool = False, kind: str = "shm") -> None:
+    def __init__(self, room: int = 64, swa: bool = False, auto: bool = False, kind: str = "shm",
+                 wait_s: float = WAIT_S) -> None:
         import torch
 
         self.world = FakeWorld()
@@ -34,7 +36,7 @@ class Rig:
         self.clock = FakeClock()
         self.to_peer: list[tuple[bytes, object]] = []
         self.to_router: list[object] = []
-        self.rx = HandoffReceiver(self.engine, self.backend, "decode-0", DEADLINE_S,
+        self.rx = HandoffReceiver(self.engine, self.backend, "decode-0", wait_s,
                                   send_peer=lambda d, m: self.to_peer.append((d, m)),
                                   send_router=self.to_router.append, clock=self.clock, wall=self.clock)
 
@@ -51,7 +53,7 @@ class Rig:
 
 def handoff(rid: str = "r1", n_tokens: int = 40, pages=(5, 9, 2), state: int = -1) -> Handoff:
     return Handoff(rid, list(range(1, n_tokens + 1)), 77, Sampling(max_tokens=8, temperature=0.0), 16,
-                   list(pages), state, 10.0, PrefillTimes(1.0, 1.1, 1.2, 1.3))
+                   list(pages), state, LEASE_S, PrefillTimes(1.0, 1.1, 1.2, 1.3))
 
 
 def test_pull_reads_exactly_the_handed_pages_then_commits_and_answers_pulled():
@@ -92,17 +94,68 @@ def test_full_decode_rank_applies_backpressure_then_pulls_when_room_appears():
     assert rig.answers("big") == [Pulled("big")] and rig.answers("small") == [Pulled("small")]
 
 
-def test_no_room_until_the_deadline_fails_without_reading():
+def test_no_room_within_the_wait_fails_without_reading():
     rig = Rig(room=0)
     rig.hello()
     rig.rx.on_handoff(PEER, handoff())
-    rig.clock.advance(DEADLINE_S + 0.01)
+    rig.clock.advance(WAIT_S + 0.01)
     rig.rx.progress()
     [ans] = rig.answers("r1")
     assert isinstance(ans, PullFailed)
     [err] = rig.errors()
     assert err.status == 503 and "no room" in err.message
     assert rig.backend.reads == [] and rig.rx.num_handoffs == 0
+
+
+def test_a_full_rank_keeps_its_handoffs_by_renewing_their_leases_then_pulls():
+    """A live decode rank that has no room for minutes renews each queued handoff (and each
+    read in flight) every third of the lease, one Renew per prefill rank, and fails nothing
+    before --handoff-wait-s."""
+    rig = Rig(room=0, wait_s=100.0)
+    rig.hello()
+    t0 = rig.clock()
+    rig.rx.on_handoff(PEER, handoff("a"))
+    rig.clock.advance(1.0)
+    rig.rx.on_handoff(PEER, handoff("b"))
+    renewals = []
+    for _ in range(60):  # 30 s: three leases
+        rig.clock.advance(0.5)
+        n = len(rig.to_peer)
+        rig.rx.progress()
+        renewals += [(rig.clock(), m.request_ids) for _, m in rig.to_peer[n:] if isinstance(m, Renew)]
+    assert rig.errors() == [] and rig.backend.reads == [] and rig.rx.num_handoffs == 2
+    assert all(dest == PEER for dest, _ in rig.to_peer[1:])
+    times = [t for t, _ in renewals]
+    assert len(renewals) >= 30 / (LEASE_S / 3) - 1
+    assert max(b - a for a, b in zip([t0, *times], times)) <= LEASE_S / 3 + 0.5  # never a lease-long gap
+    assert {tuple(ids) for _, ids in renewals} <= {("a",), ("b",), ("a", "b")}
+    assert sum("b" in ids for _, ids in renewals) >= 8
+    rig.engine.room = 64  # room: both pulled; a read in flight is renewed as well
+    rig.rx.progress()
+    assert rig.rx.num_handoffs == 2 and len(rig.rx.pulling) == 2
+    rig.clock.advance(LEASE_S / 3 + 0.01)
+    n = len(rig.to_peer)
+    rig.rx.progress()
+    assert [m for _, m in rig.to_peer[n:]] == [Renew(["a", "b"])]
+    rig.backend.complete()
+    assert sorted(c.request_id for c in rig.rx.progress()) == ["a", "b"]
+    assert rig.answers("a") == [Pulled("a")] and rig.answers("b") == [Pulled("b")] and rig.errors() == []
+
+
+def test_a_rank_that_stalled_past_the_lease_reads_nothing():
+    """The prefill rank may have released the pins of a handoff this rank did not renew in
+    time (its engine thread stalled): such a handoff fails without a read, whatever the room."""
+    rig = Rig(room=64, wait_s=100.0)
+    rig.hello()
+    rig.rx.on_handoff(PEER, handoff())
+    rig.clock.advance(LEASE_S - 0.5)  # no progress() meanwhile: no Renew went out
+    rig.rx.progress()
+    assert rig.backend.reads == [] and rig.engine.reserved == []
+    [ans] = rig.answers("r1")
+    assert isinstance(ans, PullFailed)
+    [err] = rig.errors()
+    assert err.status == 503 and "lease" in err.message
+    assert not any(isinstance(m, Renew) for _, m in rig.to_peer)
 
 
 def test_abort_while_queued_answers_pull_failed_and_tells_the_router_nothing():

@@ -96,6 +96,22 @@ def test_lease_and_exactly_once_release(sender):
     assert sender.pool.free_pages == 8 and sender.pool.free_states == 2
 
 
+def test_renew_extends_only_the_renewing_peers_handed_off_leases(sender):
+    for rid in ("a", "b", "c"):
+        assert sender.reserve(rid, 4, needs_state=False)
+    sender.hand_off("a", b"decode-0")
+    sender.hand_off("b", b"decode-1")  # "c" is still prefilling: nothing to renew
+    sender.clock.advance(4.0)
+    assert sender.renew(["a", "b", "c", "gone"], b"decode-0") == 1  # b is decode-1's to renew
+    sender.clock.advance(1.5)
+    assert sender.expired() == ["b"]
+    sender.clock.advance(3.4)
+    assert sender.expired() == ["b"]
+    sender.clock.advance(0.2)
+    assert sorted(sender.expired()) == ["a", "b"]
+    assert sender.release("a", "lease") and sender.renew(["a"], b"decode-0") == 0  # crossed a release
+
+
 def test_register_names_both_regions():
     world = FakeWorld()
     layout = HostPoolLayout("pdserve-test-handoff-reg", "float32", 4, PAGE_SHAPE, 1, STATE_SHAPE)

@@ -174,6 +174,7 @@ def test_dead_decode_rank_moves_its_requests_with_their_tokens(disp):
     to, msg = moved[0]
     assert (msg.request_id, msg.prompt_ids, msg.decode_rank, msg.resume_ids) == (sid, [1, 2, 3], -1, [7, 8])
     assert ("prefill-0", Abort(sid)) in sent  # frees a handoff it may still pin
+    disp.frame("prefill-0", RequestError(sid, 504, "lease ran out"))  # that handoff's late end: ignored
     disp.frame(to, TokenBatch([TokenEvent(sid, [9], "z", "length", None, 3, 3)], 0.0))
     events = [h.queue.get_nowait()[1] for _ in range(3)]
     assert [e.token_ids for e in events] == [[7], [8], [9]] and events[-1].finish_reason == "length"
