@@ -137,7 +137,9 @@ class HandoffReceiver:
         log.info("prefill peer %s connected (pid %d, %s)", hello.name, hello.pid, hello.transfer_kind)
         self.send_peer(sender, PeerWelcome(self.name))
 
-    def on_handoff(self, sender: bytes, h: Handoff) -> None:
+    def on_handoff(self, sender: bytes, h: Handoff, received: float | None = None) -> None:
+        """`received`: when the IO thread took it off the socket (monotonic); the lease estimate
+        starts there, not when this thread, maybe busy with a long step, got to it."""
         rid = h.request_id
         if sender not in self.peers and sender not in self._former:
             # NOTE: never act on it beyond answering: it could name another rank's request.
@@ -159,8 +161,9 @@ class HandoffReceiver:
             self._fail(_Incoming(sender, h, 0.0), 500, problem)
             return
         now = self.clock()
-        self.queue.append(_Incoming(sender, h, now + self.wait_s, now + h.lease_s - lease_margin(h.lease_s),
-                                    now + h.lease_s / RENEWS_PER_LEASE, start_after=now + self.delay_pull_s))
+        t0 = now if received is None else min(now, received)
+        self.queue.append(_Incoming(sender, h, t0 + self.wait_s, t0 + h.lease_s - lease_margin(h.lease_s),
+                                    t0 + h.lease_s / RENEWS_PER_LEASE, start_after=now + self.delay_pull_s))
 
     def on_abort(self, rid: str) -> bool:
         """Abort a handoff this rank holds (True), else remember it in case the Handoff is still

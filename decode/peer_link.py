@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -38,6 +39,7 @@ class PeerMessage:
 
     sender: bytes  # decode rank: the prefill DEALER's identity; prefill rank: the decode rank's name
     msg: PrefillToDecode | DecodeToPrefill
+    received: float = field(default_factory=time.monotonic)  # when the IO thread took it off the socket
 
 
 class PeerSockets:

@@ -260,7 +260,7 @@ class DecodeLoop(RankLoop):
         r = self.receiver
         if isinstance(msg, PeerMessage):
             if isinstance(msg.msg, Handoff):
-                r.on_handoff(msg.sender, msg.msg)
+                r.on_handoff(msg.sender, msg.msg, msg.received)
             elif isinstance(msg.msg, PeerHello):
                 r.on_peer_hello(msg.sender, msg.msg)
         elif isinstance(msg, Abort):
@@ -304,7 +304,14 @@ def hello_for(cfg: RankConfig, engine_cfg, engine, peer_addr: str = "") -> Hello
     hc = engine.hicache  # a decode rank's holds the prompts it prefilled itself (--disagg)
     return Hello(PROTOCOL_VERSION, cfg.role, cfg.index, os.getpid(), served_name(engine_cfg.model),
                  engine.max_model_len, engine.model_cfg.vocab_size, engine_cfg.page_size, engine.pool.num_pages,
-                 peer_addr, hc.index.root if hc else b"", hc.has_swa if hc else False)
+                 peer_addr, hc.index.root if hc else b"", hc.has_swa if hc else False, node_name())
+
+
+def node_name() -> str:
+    """This rank's host for /health: $PDSERVE_NODE (set by a Ray actor: host, IP, node id), else the hostname."""
+    import socket
+
+    return os.environ.get("PDSERVE_NODE") or socket.gethostname()
 
 
 def parse_rank_args(argv, description: str, default_role: str):

@@ -25,6 +25,8 @@
   4. On the way out: Shutdown to every rank, wait a few seconds, then SIGTERM/SIGKILL any
      that remain. Ranks also exit by themselves when the router goes silent (5 s), so a
      killed launcher leaves nothing running.
+With --ray ADDRESS|auto the ranks are Ray actors on the cluster's nodes instead of children of
+this process (ray_ranks.py: placement, restarts by Ray, stop); the router stays here.
 """
 from __future__ import annotations
 
@@ -87,6 +89,12 @@ class LaunchConfig:
     share_weights: bool = opt(True, "CPU ranks map one read-only copy of the weights (and the linear kernel's "
                                     "packed copies) from a file on tmpfs instead of each holding its own "
                                     "(engine/shared_weights.py)")
+    ray: str = opt("", "place the ranks on a Ray cluster (its address, or auto: the one `ray start` runs on this "
+                       "host) as actors; the router stays here. Ray restarts a dead rank (--max-restarts, "
+                       "--restart-backoff-s). Needs scripts/setup_ray.sh; docs/deployment.md")
+    ray_placement: str = opt("spread", "with --ray: spread the ranks over the nodes or pack them onto as few as "
+                                       "fit (nodes started with --resources '{\"pdserve_prefill\": 1}' or "
+                                       "pdserve_decode take only that role's ranks)")
 
     def __post_init__(self) -> None:
         if min(self.colocated, self.prefill, self.decode) < 0:
@@ -97,6 +105,10 @@ class LaunchConfig:
             raise ValueError("--fake-ranks runs colocated stand-ins only")
         if self.rank_start_timeout_s < 0 or self.max_restarts < 0 or self.restart_backoff_s < 0:
             raise ValueError("rank_start_timeout_s, max_restarts and restart_backoff_s must be >= 0")
+        if self.ray_placement not in ("spread", "pack"):
+            raise ValueError(f"ray_placement must be spread or pack, got {self.ray_placement!r}")
+        if self.ray and not self.num_ranks:
+            raise ValueError("--ray places ranks: give --colocated N or --prefill N --decode M")
 
     @property
     def pd(self) -> bool:
@@ -196,9 +208,25 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, model_dir: 
                                  len(host_cpus())))
     engine_cfg, weights_dir = shared_weights_config(engine_cfg, launch)
     cpus = host_cpus()
-    sup = Supervisor(registry, lambda role, i: rank_command(engine_cfg, launch, role, i, addr, handoff, board, cpus),
-                     launch.run_dir, launch.max_restarts if launch.supervise else 0, launch.restart_backoff_s,
-                     launch.rank_start_timeout_s)
+
+    def command(role: str, i: int) -> list[str]:
+        return rank_command(engine_cfg, launch, role, i, addr, handoff, board, cpus)
+
+    if launch.ray:
+        from pd_server.ray_ranks import RayRanks
+
+        try:
+            sup = RayRanks(registry, command, launch.roles, engine_cfg.num_threads,
+                           1.0 if engine_cfg.device.startswith("cuda") else 0.0, launch.max_restarts,
+                           launch.restart_backoff_s, launch.rank_start_timeout_s, launch.ray_placement, launch.run_dir,
+                           {SECRET_ENV: launch.cluster_secret} if launch.cluster_secret else {})
+        except RuntimeError as e:
+            log.error("%s", e)
+            await dispatcher.close()
+            raise SystemExit(1) from e
+    else:
+        sup = Supervisor(registry, command, launch.run_dir, launch.max_restarts if launch.supervise else 0,
+                         launch.restart_backoff_s, launch.rank_start_timeout_s)
     for role, count in launch.roles:
         for i in range(count):
             sup.start(role, i)
@@ -232,6 +260,7 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, model_dir: 
         await server.serve()
     finally:
         watch.cancel()
+        sup.stopping()  # the ranks' exits on Shutdown are not deaths to restart
         await dispatcher.close()
         await asyncio.to_thread(sup.reap, launch.rank_shutdown_s)
         if board:
@@ -257,6 +286,25 @@ def _pools_for_dtype(engine_cfg, handoff: HandoffConfig, argv: list[str]):
     return engine_cfg, handoff
 
 
+def _on_ray(cfg: RouterConfig, launch: LaunchConfig, engine_cfg):
+    """Join the Ray cluster; the configs for ranks on other hosts: the rank socket on this
+    node's IP, each rank's --host its own node's IP, no core lending, pinning or weight file
+    (they assume one host), threads from the cluster's CPUs. RuntimeError: cannot connect."""
+    from pd_server import ray_ranks
+
+    node_ip = ray_ranks.connect(launch.ray)
+    if cfg.rank_addr.startswith("tcp://127."):
+        cfg = replace(cfg, rank_addr=f"tcp://{node_ip}:{cfg.rank_addr.rsplit(':', 1)[1]}")
+    launch = replace(launch, lend_cores=False, lend_idle_cores=False, pin_cores=False, share_weights=False,
+                     prefill_host=ray_ranks.NODE_IP, decode_host=ray_ranks.NODE_IP)
+    if engine_cfg.num_threads == 0:
+        import ray
+
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        engine_cfg = replace(engine_cfg, num_threads=max(1, cpus // launch.num_ranks))
+    return cfg, launch, engine_cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     from engine.config import EngineConfig, add_cli_args, from_cli_args
 
@@ -275,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if launch.ray:
+        try:
+            cfg, launch, engine_cfg = _on_ray(cfg, launch, engine_cfg)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     if not launch.cluster_secret and cluster_secret_from_env():
         launch = replace(launch, cluster_secret=cluster_secret_from_env())
     if launch.cluster_secret:

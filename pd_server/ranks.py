@@ -57,6 +57,7 @@ class Rank:
         s = self.stats
         return {
             "name": self.name, "role": self.role, "index": self.index, "pid": self.pid, "state": self.state,
+            "node": self.hello.node if self.hello else "",
             "inflight": len(self.inflight), "routed": self.routed, "restarts": self.restarts,
             "running": s.running if s else 0, "waiting": s.waiting if s else 0,
             "pages_used": s.pages_used if s else 0, "pages_total": s.pages_total if s else 0,

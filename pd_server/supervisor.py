@@ -45,6 +45,17 @@ def remove_rank_shm(pids: list[int], shm_dir: Path = Path("/dev/shm")) -> list[P
     return removed
 
 
+def remove_dead_ranks_shm(shm_dir: Path = Path("/dev/shm")) -> list[Path]:
+    """Unlink every rank file (as remove_rank_shm names them) whose pid no longer runs on this
+    host: what ranks killed with their parent (a Ray actor) left behind. Returns what it removed."""
+    dead = set()
+    for f in [*shm_dir.glob("pdserve-handoff-*"), *shm_dir.glob("pdserve-hicache-*")]:
+        pid = f.name.rsplit("-", 2)[-2] if f.name.count("-") >= 3 else ""
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            dead.add(int(pid))
+    return remove_rank_shm(sorted(dead), shm_dir)
+
+
 class Supervisor:
     """`command(role, index)` is the rank's argv; `log_dir` ("" : inherit stderr) gets one log per
     rank name, appended to across restarts. Runs on the launcher's event loop (`run`)."""
@@ -116,6 +127,9 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - the watch must outlive one bad check
                 log.exception("supervisor check failed")
             await asyncio.sleep(CHECK_INTERVAL_S)
+
+    def stopping(self) -> None:
+        """The launcher is about to stop the ranks (nothing to prepare for child processes)."""
 
     def reap(self, grace_s: float) -> None:
         """Wait for ranks to exit; SIGTERM then SIGKILL the ones that do not; then remove the

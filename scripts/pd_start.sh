@@ -17,6 +17,8 @@
 # Faults: --supervise restarts a rank that died or hung (--max-restarts, --restart-backoff-s);
 # a rank not ready --rank-start-timeout-s after its start is marked dead. Across hosts, export
 # PDSERVE_CLUSTER_SECRET (or pass --cluster-secret) here and on every rank started by hand.
+# Multi-host: --ray ADDRESS|auto places the ranks on a Ray cluster as actors (scripts/setup_ray.sh
+# on every host first; docs/deployment.md); stop removes them on every node.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PORT=8000
@@ -41,7 +43,7 @@ while [[ $# -gt 0 ]]; do
         --colocated) COLOCATED="$2"; shift 2 ;;
         --prefill) PREFILL="$2"; shift 2 ;;
         --decode) DECODE="$2"; shift 2 ;;
-        -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) PASS+=("$1"); shift ;;
     esac
 done

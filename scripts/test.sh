@@ -4,6 +4,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/bootstrap.sh"
+# The optional Ray extra, for tests/e2e/test_e2e_ray.py (which skips, saying why, without it).
+"$ROOT/scripts/setup_ray.sh" || echo "[test] Ray could not be installed: its tests will be skipped" >&2
 cd "$ROOT"
 set +e
 .venv/bin/python -m pytest "${@:-tests}"

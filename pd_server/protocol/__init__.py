@@ -31,8 +31,8 @@ from typing import Literal
 # and its Hello names its host cache (cache_root) and it sends CacheEvents like a prefill rank.
 # 5: Sampling.grammar (a constrained request's (kind, text); also in Handoff.sampling), and
 # Generate.resume_ids (a request moved from a dead rank). 6: Renew (decode -> prefill: renewable
-# handoff leases).
-PROTOCOL_VERSION = 6
+# handoff leases). 7: Hello.node (the rank's host, for /health).
+PROTOCOL_VERSION = 7
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (pd_server/cluster_auth.py).
 # The largest legitimate frames: a Generate or Handoff of a 1M-token prompt (<= 5 bytes per id in

@@ -35,6 +35,7 @@ class Hello(msgspec.Struct, frozen=True, array_like=True, tag="hello"):
     # 16 bytes; pages are `page_size` tokens), so the router computes the keys CacheEvents name. b"": none.
     cache_root: bytes = b""
     cache_needs_state: bool = False  # hybrid (SWA) model: a hit must end at a page holding a state
+    node: str = ""  # the host the rank runs on, for /health ($PDSERVE_NODE under Ray, else the hostname)
 
 
 class CacheUpdate(msgspec.Struct, frozen=True, array_like=True):

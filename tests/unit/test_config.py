@@ -88,3 +88,31 @@ def test_the_launchers_pools_hold_as_many_tokens_in_float32():
     assert (e.hicache_size_gb, h.handoff_pool_gb) == (0.25, 0.25)  # given: kept
     e, h = _pools_for_dtype(EngineConfig(dtype="bfloat16", hicache_size_gb=0.25), hand, [])
     assert (e.hicache_size_gb, h.handoff_pool_gb) == (0.25, 0.25)
+
+
+def test_ray_mode_configs_and_the_missing_ray_message(monkeypatch):
+    """--ray: the rank socket leaves loopback for this node's IP, each rank binds its own node's
+    IP (a placeholder its actor fills in), and nothing that assumes one host stays on; without
+    Ray installed the launcher says how to install it."""
+    import subprocess
+    import sys
+
+    from pd_server import launch as L, ray_ranks
+    from pd_server.config import RouterConfig
+
+    with pytest.raises(ValueError, match="spread or pack"):
+        L.LaunchConfig(ray="auto", ray_placement="round")
+    monkeypatch.setattr(ray_ranks, "connect", lambda address: "10.1.2.3")
+    cfg, launch, eng = L._on_ray(RouterConfig(), L.LaunchConfig(ray="auto", prefill=1, decode=1),
+                                 EngineConfig(num_threads=2))
+    assert cfg.rank_addr == "tcp://10.1.2.3:*" and eng.num_threads == 2
+    assert (launch.prefill_host, launch.decode_host) == (ray_ranks.NODE_IP, ray_ranks.NODE_IP)
+    assert not (launch.lend_cores or launch.pin_cores or launch.share_weights)
+    cmd = L.rank_command(eng, launch, "decode", 0, cfg.rank_addr, core_board="", cpus=[0, 1])
+    assert cmd[cmd.index("--host") + 1] == ray_ranks.NODE_IP and "--cpus" not in cmd
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        out = subprocess.run([sys.executable, "-m", "pd_server.launch", "--ray", "auto", "--colocated", "1"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "scripts/setup_ray.sh" in out.stderr

@@ -158,6 +158,22 @@ def test_a_rank_that_stalled_past_the_lease_reads_nothing():
     assert not any(isinstance(m, Renew) for _, m in rig.to_peer)
 
 
+def test_the_lease_estimate_starts_when_the_handoff_came_off_the_socket():
+    """This thread may reach a Handoff long after the IO thread received it (a long step): a
+    Renew goes out at once when one is due by then, and past the lease nothing is read."""
+    rig = Rig(room=0, wait_s=100.0)
+    rig.hello()
+    rig.rx.on_handoff(PEER, handoff("late"), received=rig.clock() - 4.0)  # renew due at -0.67 s
+    rig.rx.progress()
+    assert [m for _, m in rig.to_peer[1:]] == [Renew(["late"])] and rig.errors() == []
+    rig.engine.room = 64
+    rig.rx.on_handoff(PEER, handoff("stale"), received=rig.clock() - (LEASE_S - 0.5))
+    rig.rx.progress()
+    [err] = rig.errors()
+    assert err.request_id == "stale" and "lease" in err.message
+    assert [r.remote_pages for r in rig.backend.reads] == [[5, 9, 2]] and "late" in rig.rx.pulling
+
+
 def test_abort_while_queued_answers_pull_failed_and_tells_the_router_nothing():
     rig = Rig(room=0)
     rig.hello()

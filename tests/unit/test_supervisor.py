@@ -11,7 +11,7 @@ from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.rank_router import Hello
 from pd_server.protocol.router_rank import Reject, Welcome
 from pd_server.ranks import DEAD, LOADING, READY, RankRegistry
-from pd_server.supervisor import Supervisor, remove_rank_shm
+from pd_server.supervisor import Supervisor, remove_dead_ranks_shm, remove_rank_shm
 
 MODEL = "m"
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -121,3 +121,21 @@ def test_a_dead_rank_started_by_hand_may_come_back_under_a_new_identity_only():
     assert isinstance(reg.on_hello(b"colocated-0-7-1", hello(7), 1.0, 0.5), Welcome)  # rejoined (--rejoin)
     fresh = reg.ranks["colocated-0"]
     assert fresh.state == READY and fresh.restarts == 1 and fresh.inflight == set()
+
+
+def test_remove_dead_ranks_shm_takes_only_files_of_pids_that_are_gone(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # a pid that no longer runs (reaped)
+    gone, live = p.pid, os.getpid()
+    files = {n: tmp_path / n for n in (f"pdserve-hicache-{gone}-ab12", f"pdserve-handoff-decode-1-{gone}-cd34",
+                                       f"pdserve-hicache-{live}-ef56", f"pdserve-handoff-prefill-0-{live}-0a0b",
+                                       "pdserve-weights-77", "pdserve-board-1")}
+    for f in files.values():
+        f.write_bytes(b"x")
+    removed = {f.name for f in remove_dead_ranks_shm(tmp_path)}
+    assert removed == {f"pdserve-hicache-{gone}-ab12", f"pdserve-handoff-decode-1-{gone}-cd34"}
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(set(files) - removed)

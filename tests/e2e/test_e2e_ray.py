@@ -1,0 +1,129 @@
+"""`--ray`: the ranks as Ray actors on a real multi-node Ray cluster on this machine (a head node
+with no CPUs for ranks, one node offering `pdserve_prefill` and one `pdserve_decode`), 1P1D, the
+router in the launcher. Greedy outputs equal a colocated system's; /health names each rank's
+node; killing the decode actor's process: Ray restarts it and the new rank rejoins and serves;
+stop leaves no actor, rank process or shared memory behind.
+Skipped, with the reason, where Ray is not installed (scripts/setup_ray.sh) or cannot start.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pd_server.supervisor import remove_dead_ranks_shm
+from tests.e2e.conftest import MODEL, start_system, stop_system
+
+pytestmark = pytest.mark.slow
+
+ray_utils = pytest.importorskip("ray.cluster_utils", reason="Ray is not installed (scripts/setup_ray.sh)")
+
+NODE_ARGS = {"object_store_memory": 80 * 2**20, "include_dashboard": False}  # ~ the minimum
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    try:
+        c = ray_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **NODE_ARGS})
+        prefill = c.add_node(num_cpus=1, resources={"pdserve_prefill": 1}, **NODE_ARGS)
+        decode = c.add_node(num_cpus=1, resources={"pdserve_decode": 1}, **NODE_ARGS)
+        c.wait_for_nodes()
+    except Exception as e:  # noqa: BLE001 - whatever keeps Ray from starting here
+        pytest.skip(f"a Ray cluster cannot start on this machine: {type(e).__name__}: {e}")
+    try:
+        yield c, prefill.node_id, decode.node_id
+    finally:
+        c.shutdown()
+
+
+def complete(system, prompt: str, max_tokens: int = 12) -> httpx.Response:
+    return httpx.post(system.url + "/v1/completions", timeout=120,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_pd_ranks_on_ray_nodes_serve_restart_and_stop_clean(tmp_path, cluster, colocated_system):
+    c, prefill_node, decode_node = cluster
+    os.environ["PDSERVE_CLUSTER_SECRET"] = "ray-secret"  # CURVE on every rank socket; actors pass it on
+    try:
+        system = start_system(tmp_path, ["--ray", c.address, "--prefill", "1", "--decode", "1", "--model", MODEL,
+                                         "--num-threads", "1", "--kv-cache-gb", "0.1", "--disagg", "always",
+                                         "--restart-backoff-s", "0.5"], timeout=420)
+    finally:
+        del os.environ["PDSERVE_CLUSTER_SECRET"]
+    pids: set[int] = set()
+    try:
+        ranks = system.ranks()
+        assert prefill_node[:8] in ranks["prefill-0"]["node"] and decode_node[:8] in ranks["decode-0"]["node"]
+        for prompt in ("The capital of France is", "def fibonacci(n):"):
+            r, ref = complete(system, prompt), complete(colocated_system, prompt)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+            assert r.headers["x-pdserve-decode-rank"] == "decode-0"
+
+        rank_pid = ranks["decode-0"]["pid"]
+        actor_pid = _ppid(rank_pid)
+        pids |= {rank_pid, actor_pid, ranks["prefill-0"]["pid"], _ppid(ranks["prefill-0"]["pid"])}
+        os.kill(actor_pid, signal.SIGKILL)  # the actor's process: its rank dies with it
+        system.wait_until(lambda: _gone(rank_pid), 10, "the rank died with its actor")
+        system.wait_until(lambda: system.ranks()["decode-0"]["state"] == "ready"
+                          and system.ranks()["decode-0"]["pid"] != rank_pid, 300, "Ray restarted decode-0")
+        new = system.ranks()["decode-0"]
+        assert new["restarts"] == 1 and decode_node[:8] in new["node"]
+        pids |= {new["pid"], _ppid(new["pid"])}
+        r = complete(system, "The capital of France is")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == \
+            complete(colocated_system, "The capital of France is").json()["choices"][0]["text"]
+    finally:
+        stop_system(system)
+    deadline = time.monotonic() + 20
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in pids if not _gone(p)] == [], "a rank or actor process outlived the stop"
+    assert not [f for p in pids for f in Path("/dev/shm").glob(f"pdserve-*-{p}-*")]
+    import ray
+
+    ray.init(address=c.address, log_to_driver=False)
+    try:
+        assert [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("pdserve-")] == []
+        assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    finally:
+        ray.shutdown()
+
+
+def test_a_killed_launcher_takes_its_ray_actors_and_ranks_along(tmp_path, cluster):
+    """The actors belong to the launcher: Ray kills them when it dies, and their ranks with them
+    (a rank killed so leaves its host-cache file; the next rank started on that node removes it)."""
+    c, _, _ = cluster
+    system = start_system(tmp_path, ["--ray", c.address, "--colocated", "1", "--model", MODEL, "--num-threads", "1",
+                                     "--kv-cache-gb", "0.05"], timeout=420)
+    try:
+        rank_pid = system.ranks()["colocated-0"]["pid"]
+        actor_pid = _ppid(rank_pid)
+        os.kill(system.proc.pid, signal.SIGKILL)  # the launcher only: Ray sees the actors' owner die
+        system.proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while not (_gone(rank_pid) and _gone(actor_pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(rank_pid) and _gone(actor_pid), "the rank or its actor outlived the launcher by 30 s"
+        remove_dead_ranks_shm()  # what the next rank started on this node would do
+    finally:
+        stop_system(system)
