@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_router.py [--streams 1 64 256] [--tokens 20000] [--step-ms 25]
 
-The router runs for real (pd_server.launch) with decode/fake_rank.py behind it: no model,
+The router runs for real (pd_server.launch) with rank_runtime/fake_rank.py behind it: no model,
 tokens as fast as the fake can make them. Each fake token's text is its send time, so the
 client measures what the router adds to each token (rank socket -> decode -> SSE -> HTTP).
   * throughput: fake steps back to back (the router is the bottleneck); tokens/s the
@@ -193,7 +193,7 @@ def direct_reference(streams: int, max_tokens: int, step_ms: float = 0.0, warmup
     sock = ctx.socket(zmq.ROUTER)
     sock.bind("tcp://127.0.0.1:*")
     addr = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    proc = subprocess.Popen([sys.executable, "-m", "decode.fake_rank", "--router-addr", addr,
+    proc = subprocess.Popen([sys.executable, "-m", "rank_runtime.fake_rank", "--router-addr", addr,
                              "--step-ms", str(step_ms)], cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         ident = None

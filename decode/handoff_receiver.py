@@ -94,7 +94,7 @@ class HandoffReceiver:
                  delay_pull_s: float = 0.0) -> None:
         self.engine, self.backend, self.name = engine, backend, name
         self.wait_s = wait_s
-        self.delay_pull_s = delay_pull_s  # fault injection (decode/faults.py): hold each read back
+        self.delay_pull_s = delay_pull_s  # fault injection (rank_runtime/faults.py): hold each read back
         self.send_peer, self.send_router = send_peer, send_router
         self.clock, self.wall = clock, wall
         self.peers: dict[bytes, str] = {}  # sender identity -> prefill rank name (a backend peer id)

@@ -51,7 +51,7 @@ class LLMEngine:
         self.decoder = load_decoder(self.model_dir)
         t2 = time.perf_counter()
         self.runner = ModelRunner(cfg, model_cfg, self.model_dir)
-        # Seconds of each load phase, in order (decode/rank_setup.py load_engine logs them).
+        # Seconds of each load phase, in order (rank_runtime/loading.py load_engine logs them).
         self.load_phases = {"config": t1 - t0, "tokenizer": t2 - t1, **self.runner.load_phases}
         self.model_cfg = self.runner.model_cfg
         self.pool = self.runner.pool

@@ -7,7 +7,7 @@
 
   1. Resolve the model once here (GGUF conversion, if any, happens before ranks start).
   2. Bind the rank socket (tcp://127.0.0.1:<free port> by default) and start each rank
-     (`python -m decode.rank --role colocated|decode`, `python -m prefill.rank`) pointed at
+     (`python -m rank_runtime.colocated`, `decode.rank`, `prefill.rank`) pointed at
      it, its logs in --run-dir when given; then load the tokenizer (transformers: 5-8 s of a
      2-core VM, while the ranks load). CPU threads are divided among the ranks (engine
      --num-threads 0 -> cores // ranks, at least 1). PD mode (--prefill N --decode M, no
@@ -42,8 +42,8 @@ import tempfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from decode.config import HandoffConfig
-from decode.core_board import board_path, create_board, home_cpus, host_cpus, remove_stale_launcher_paths
+from rank_runtime.config import HandoffConfig
+from rank_runtime.core_board import board_path, create_board, home_cpus, host_cpus, remove_stale_launcher_paths
 from pd_server.cluster_auth import SECRET_ENV, cluster_secret_from_env
 from pd_server.cli_args import add_dataclass_args, from_args, opt
 from pd_server.config import RouterConfig
@@ -65,7 +65,7 @@ class LaunchConfig:
     prefill_host: str = opt("127.0.0.1", "PD: the prefill ranks' --host (address they connect to decode ranks from)")
     decode_host: str = opt("127.0.0.1", "PD: the decode ranks' --host (address their peer socket binds)")
     run_dir: str = opt("", "directory for rank logs (default: ranks log to this process's stderr)")
-    fake_ranks: bool = opt(False, "start stand-in ranks (decode/fake_rank.py, no model) for router benchmarks/tests")
+    fake_ranks: bool = opt(False, "start stand-in ranks (rank_runtime/fake_rank.py, no model) for router benchmarks/tests")
     fake_step_ms: float = opt(0.0, "with --fake-ranks: pause between their steps (0: as fast as they can)")
     rank_shutdown_s: float = opt(5.0, "how long ranks get to exit on shutdown before SIGKILL")
     rank_start_timeout_s: float = opt(900.0, "a rank that has not said Hello this long after it started is "
@@ -128,7 +128,8 @@ def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router
                  handoff: HandoffConfig | None = None, core_board: str = "", cpus: list[int] | None = None) -> list[str]:
     """The command line of rank `role`-`index`. `cpus`: the launcher's cpuset, to pin the rank to
     its share of (with --pin-cores, where every rank's threads fit)."""
-    module = {"prefill": "prefill.rank"}.get(role, "decode.fake_rank" if launch.fake_ranks else "decode.rank")
+    module = "rank_runtime.fake_rank" if launch.fake_ranks else \
+        {"prefill": "prefill.rank", "decode": "decode.rank", "colocated": "rank_runtime.colocated"}[role]
     cmd = [sys.executable, "-m", module, "--role", role, "--index", str(index), "--router-addr", router_addr]
     slot = index + (launch.prefill if role == "decode" else 0)  # prefill (or colocated) ranks, then decode ranks
     if core_board and not launch.fake_ranks:

@@ -92,7 +92,7 @@ def _is_rank(pid: int, role: str, index: int) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return False
-    return any(a.endswith(("decode.rank", "prefill.rank", "decode.fake_rank")) for a in argv) and \
+    return any(a.endswith(("rank_runtime.colocated", "decode.rank", "prefill.rank", "rank_runtime.fake_rank")) for a in argv) and \
         f"--role\0{role}\0--index\0{index}\0" in "\0".join(argv) + "\0"
 
 

@@ -3,7 +3,6 @@
     rank.py            the engine thread's PrefillLoop and `python -m prefill.rank` (life cycle there)
     handoff_sender.py  the handoff pool (shared memory, registered with the transfer backend):
                        reserve -> stage -> hand off -> release exactly once (Pulled, PullFailed, lease)
-A prefill rank reuses the decode package's router link (decode/rank_link.py), peer sockets
-(decode/peer_link.py) and RankLoop; its messages to decode ranks are in
-pd_server/protocol/prefill_decode.py.
+Built on rank_runtime/ (loop, router link, peer sockets, start-up); never imports decode/. Its
+messages to decode ranks are in pd_server/protocol/prefill_decode.py.
 """

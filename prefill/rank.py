@@ -39,16 +39,17 @@ from collections import deque
 
 import msgspec
 
-from decode.peer_link import PeerMessage, PeerSockets
-from decode.rank import RankLoop, hello_for, parse_rank_args, serve
-from decode.rank_setup import load_engine, make_transfer
-from decode.rank_link import RankLink
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes,
                                                Pulled, PullFailed, Renew)
 from pd_server.protocol.rank_router import RequestError, TokenBatch
 from pd_server.protocol.router_rank import Abort, Generate, Peers
 from prefill.handoff_sender import HandoffSender
+from rank_runtime.loading import load_engine, make_transfer
+from rank_runtime.loop import RankLoop
+from rank_runtime.peer_link import PeerMessage, PeerSockets
+from rank_runtime.router_link import RankLink
+from rank_runtime.serve import hello_for, parse_rank_args, serve
 
 log = logging.getLogger("prefill.rank")
 
@@ -235,7 +236,8 @@ class PrefillLoop(RankLoop):
 def main(argv: list[str] | None = None) -> int:
     cfg, handoff, engine_cfg = parse_rank_args(argv, __doc__, "prefill")
     if cfg.role != "prefill":
-        print(f"error: prefill.rank runs --role prefill, not {cfg.role!r} (use decode.rank)", file=sys.stderr)
+        print(f"error: prefill.rank runs --role prefill, not {cfg.role!r} (rank_runtime.colocated, decode.rank)",
+              file=sys.stderr)
         return 2
     t0 = time.monotonic()
     engine = load_engine(engine_cfg, cfg.warmup)

@@ -2,10 +2,10 @@
 or launcher that dies under its ranks, backpressure (kills inside the KV-transfer window:
 test_e2e_faults_pd.py).
 
-Stand-in ranks (decode/fake_rank.py) where the router's behaviour is the point, real ranks
+Stand-in ranks (rank_runtime/fake_rank.py) where the router's behaviour is the point, real ranks
 (the embedded model, 1 thread, small KV) where pages, shared memory and transfers are.
 Kills of a decode rank while it streams and of a prefill rank while it prefills are in
-test_e2e_pd.py; fault windows are widened with $PDSERVE_FAULT (decode/faults.py).
+test_e2e_pd.py; fault windows are widened with $PDSERVE_FAULT (rank_runtime/faults.py).
 Every wait is bounded; "fast" means within 10 s on a loaded machine (timeout 3 s + heartbeats).
 """
 from __future__ import annotations
@@ -223,7 +223,7 @@ def test_router_restart_under_standalone_ranks_leaves_nothing_behind(tmp_path):
     try:
         for i, extra in ((0, ["--rejoin"]), (1, [])):
             with open(tmp_path / f"rank-{i}.log", "wb") as log:
-                ranks.append(subprocess.Popen([sys.executable, "-m", "decode.fake_rank", "--router-addr", addr,
+                ranks.append(subprocess.Popen([sys.executable, "-m", "rank_runtime.fake_rank", "--router-addr", addr,
                                                "--index", str(i), *extra], cwd=ROOT, stdin=subprocess.DEVNULL,
                                               stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 30
@@ -260,7 +260,7 @@ def test_cluster_secret_admits_only_ranks_that_hold_it(tmp_path):
         addr = system.health()[1]["rank_addr"]
         for i, secret in ((5, "wrong"), (6, "")):
             env = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_SECRET"}
-            out = subprocess.run([sys.executable, "-m", "decode.fake_rank", "--router-addr", addr, "--index", str(i),
+            out = subprocess.run([sys.executable, "-m", "rank_runtime.fake_rank", "--router-addr", addr, "--index", str(i),
                                   "--cluster-secret", secret], cwd=ROOT, env=env, capture_output=True, text=True,
                                  timeout=60)
             assert out.returncode == 3 and "refused this rank" in out.stderr and "cluster secret" in out.stderr

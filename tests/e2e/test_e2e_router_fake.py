@@ -1,4 +1,4 @@
-"""The real router with 2 stand-in ranks (decode/fake_rank.py, no model, one token per 20 ms,
+"""The real router with 2 stand-in ranks (rank_runtime/fake_rank.py, no model, one token per 20 ms,
 room for 2 requests each): handshake refusal, 429, abort on disconnect, a rank dying mid-stream.
 """
 from __future__ import annotations

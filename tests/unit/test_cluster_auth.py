@@ -8,7 +8,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from decode.peer_link import PeerSockets
+from rank_runtime.peer_link import PeerSockets
 from pd_server.cluster_auth import (derive_keys, handshake_failure, secure_client, secure_server,
                                     start_authenticator)
 from pd_server.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION

@@ -1,4 +1,4 @@
-"""Idle cores lent between the ranks of one host (decode/core_board.py) and the launcher's wiring."""
+"""Idle cores lent between the ranks of one host (rank_runtime/core_board.py) and the launcher's wiring."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from decode.core_board import CoreBoard, board_path, create_board
+from rank_runtime.core_board import CoreBoard, board_path, create_board
 from engine.config import EngineConfig
 from pd_server.launch import LaunchConfig, rank_command
 
@@ -98,7 +98,7 @@ def test_no_interleaving_oversubscribes_the_cores(tmp_path, threads, ranks, core
 
 
 def test_a_pinned_rank_widens_its_affinity_only_while_it_borrows(tmp_path, threads):
-    from decode.core_board import host_cpus
+    from rank_runtime.core_board import host_cpus
 
     cpus = host_cpus()
     if len(cpus) < 2:
@@ -115,7 +115,7 @@ def test_a_pinned_rank_widens_its_affinity_only_while_it_borrows(tmp_path, threa
         a.recheck()
         assert a.threads == 1 and os.sched_getaffinity(0) == {cpus[0]}
     finally:
-        from decode.core_board import pin_threads
+        from rank_runtime.core_board import pin_threads
 
         pin_threads(before)
 
@@ -217,7 +217,7 @@ def test_a_long_step_takes_an_idle_peers_threads_before_it_settles(tmp_path, thr
 
 def test_a_rank_marks_itself_idle_before_it_waits_for_work(tmp_path, threads):
     """Not after the wait (up to IDLE_WAIT_S): a peer's prefill that starts meanwhile gets the cores."""
-    from decode.rank import RankLoop
+    from rank_runtime.loop import RankLoop
 
     path = create_board(tmp_path / "board", 2)
     mine, peer = CoreBoard(path, 0, 1, 2, settle_s=0.0), CoreBoard(path, 1, 1, 2, settle_s=0.0)

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from decode.peer_link import PeerMessage
+from rank_runtime.peer_link import PeerMessage
 from decode.rank import DecodeLoop
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.prefill_decode import (

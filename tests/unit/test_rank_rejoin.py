@@ -2,7 +2,7 @@
 decode loop, in every phase, frees their pages and tells the old router nothing."""
 from __future__ import annotations
 
-from decode.rank_link import RouterLost
+from rank_runtime.router_link import RouterLost
 from tests.unit.test_engine_tiny import _prompts
 from tests.unit.test_handoff_loops import Pair
 

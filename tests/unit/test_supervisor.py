@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from decode.faults import Faults, parse_faults
+from rank_runtime.faults import Faults, parse_faults
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.rank_router import Hello
 from pd_server.protocol.router_rank import Reject, Welcome

@@ -33,7 +33,7 @@ board without the lock (C + N floats, ~1 us), so the 30 layers of a step cost ~3
 arrives) from being lent, except to a step of more than `eager_rows` rows (a prompt's
 prefill), which takes the cores of any idle peer at once: one client sending requests back to
 back to alternate ranks has the next prompt arrive a few ms after the peer went idle. A rank
-marks itself idle before it waits for work (decode/rank.py), not after the wait.
+marks itself idle before it waits for work (rank_runtime/loop.py), not after the wait.
 
 Pinning: where the ranks' own threads fit the cores (ranks x threads <= C) the launcher gives
 each rank disjoint home cores (`--cpus`) and the rank pins every thread of its process there;

@@ -29,7 +29,7 @@ class RankConfig:
                                   "$PDSERVE_CLUSTER_SECRET, which keeps it out of `ps`")
     core_board: str = opt("", "shared-memory file where this host's ranks mark themselves busy or idle; a "
                               "rank then runs steps of at most 1024 rows on the threads of idle ranks too "
-                              "(the launcher creates it; see decode/core_board.py)")
+                              "(the launcher creates it; see rank_runtime/core_board.py)")
     core_slot: int = opt(0, "this rank's slot on --core-board")
     cpus: str = opt("", "pin every thread of this rank to these cpus (comma-separated; the launcher gives ranks "
                         "disjoint cores where their threads fit the host); while it borrows idle ranks' cores "

@@ -1,6 +1,6 @@
 """A stand-in rank: speaks the real router link, runs no model, emits tokens as fast as it can.
 
-    python -m decode.fake_rank --router-addr tcp://127.0.0.1:P [--index i] [--step-ms 0] [--model NAME]
+    python -m rank_runtime.fake_rank --router-addr tcp://127.0.0.1:P [--index i] [--step-ms 0] [--model NAME]
 
 For bench/bench_router.py (router overhead without engine time) and router tests that need
 no model. Each step gives every active request one token (id 100 + step % 100); a token's
@@ -18,15 +18,15 @@ import sys
 import time
 from dataclasses import dataclass
 
-from decode.config import RankConfig
-from decode.rank import serve
-from decode.rank_link import RankLink
+from rank_runtime.config import RankConfig
+from rank_runtime.serve import serve
+from rank_runtime.router_link import RankLink
 from pd_server.cli_args import add_dataclass_args, from_args, opt
 from pd_server.protocol import PROTOCOL_VERSION
 from pd_server.protocol.rank_router import Hello, PhaseTimes, RankStats, TokenBatch, TokenEvent
 from pd_server.protocol.router_rank import Abort, Generate
 
-log = logging.getLogger("decode.fake_rank")
+log = logging.getLogger("rank_runtime.fake_rank")
 
 
 @dataclass(frozen=True)

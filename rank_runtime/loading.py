@@ -1,5 +1,5 @@
 """What a rank does before it serves: load (and warm up) its engine, make its transfer backend.
-Shared by every role (decode/rank.py, prefill/rank.py)."""
+Shared by every role (colocated.py, decode/rank.py, prefill/rank.py)."""
 from __future__ import annotations
 
 import gc
@@ -7,9 +7,9 @@ import logging
 import os
 import time
 
-from decode.config import HandoffConfig, RankConfig
+from rank_runtime.config import HandoffConfig, RankConfig
 
-log = logging.getLogger("decode.rank")
+log = logging.getLogger(__name__)
 
 
 def load_engine(engine_cfg, warmup: bool):

@@ -30,8 +30,8 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from decode.config import RankConfig
-from decode.peer_link import PeerMessage, PeerSockets
+from rank_runtime.config import RankConfig
+from rank_runtime.peer_link import PeerMessage, PeerSockets
 from pd_server.cluster_auth import handshake_failure, secure_client
 from pd_server.protocol.codec import Codec
 from pd_server.protocol.rank_router import Goodbye, Hello, RankStats
