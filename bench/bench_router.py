@@ -185,9 +185,9 @@ def direct_reference(streams: int, max_tokens: int, step_ms: float = 0.0, warmup
     reader: this process plays the router, with no HTTP."""
     import zmq
 
-    from pd_server.protocol.codec import Codec
-    from pd_server.protocol.rank_router import Hello, TokenBatch
-    from pd_server.protocol.router_rank import Generate, Ping, Sampling, Shutdown, Welcome
+    from cluster.protocol.codec import Codec
+    from cluster.protocol.rank_router import Hello, TokenBatch
+    from cluster.protocol.router_rank import Generate, Ping, Sampling, Shutdown, Welcome
 
     ctx, codec = zmq.Context(), Codec()
     sock = ctx.socket(zmq.ROUTER)

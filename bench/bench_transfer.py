@@ -47,9 +47,9 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
-from hicache.transfer.base import TransferBackend
-from hicache.transfer.nixl_backend import NixlBackend
-from hicache.transfer.shm_backend import ShmBackend, shm_tensor, unlink_shm
+from kv_transfer.base import TransferBackend
+from kv_transfer.nixl_backend import NixlBackend
+from kv_transfer.shm_backend import ShmBackend, shm_tensor, unlink_shm
 
 POOL_PAGES = 512
 SMOLLM2_PAGE = 30 * 2 * 16 * 3 * 64 * 2

@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pd_server.cli_args import add_dataclass_args, from_args
+from cluster.cli_args import add_dataclass_args, from_args
 from soaklib import SoakConfig, launch, render, soak  # bench/ is this script's sys.path[0]
 
 

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 import msgspec
 
 from engine.sampling_params import SamplingParams
-from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.prefill_decode import (PAGES_REGION, STATES_REGION, Handoff, PeerHello, PeerReject,
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.prefill_decode import (PAGES_REGION, STATES_REGION, Handoff, PeerHello, PeerReject,
                                                PeerWelcome, PrefillTimes, Pulled, PullFailed, Renew)
-from pd_server.protocol.rank_router import RequestError
+from cluster.protocol.rank_router import RequestError
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import sys
 import time
 
 from decode.handoff_receiver import HandoffReceiver
-from pd_server.protocol.prefill_decode import PAGES_REGION, STATES_REGION, Handoff, PeerHello
-from pd_server.protocol.rank_router import PhaseTimes, RequestError
-from pd_server.protocol.router_rank import Abort, Generate, Peers
+from cluster.protocol.prefill_decode import PAGES_REGION, STATES_REGION, Handoff, PeerHello
+from cluster.protocol.rank_router import PhaseTimes, RequestError
+from cluster.protocol.router_rank import Abort, Generate, Peers
 from rank_runtime.faults import faults_for
 from rank_runtime.loading import load_engine, make_transfer
 from rank_runtime.loop import IDLE_WAIT_S, RankLoop

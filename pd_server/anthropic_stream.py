@@ -25,7 +25,7 @@ from pd_server.anthropic_models import (ContentBlockDelta, ContentBlockStart, Co
                                         TextContent, TextDelta, Usage, message_id, stop_reason, tool_use, usage_of)
 from pd_server.errors import APIError, anthropic_error_body
 from pd_server.prompts import RenderedChat
-from pd_server.protocol.rank_router import TokenEvent
+from cluster.protocol.rank_router import TokenEvent
 from pd_server.serving import Choice, ServerContext
 from pd_server.tool_parser import ParsedToolCall, ToolCallParser
 

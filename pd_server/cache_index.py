@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from hicache.index import page_keys
-from pd_server.protocol.rank_router import CacheUpdate
+from cluster.protocol.rank_router import CacheUpdate
 
 
 class RankCacheIndex:

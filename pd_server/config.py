@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pd_server.cli_args import opt
+from cluster.cli_args import opt
 from pd_server.disagg import MODES as DISAGG_MODES
 from pd_server.disagg import DisaggMode
 

@@ -18,9 +18,9 @@ import subprocess
 from dataclasses import dataclass, field
 
 from pd_server.cache_index import RankCacheIndex
-from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.rank_router import Hello, RankStats
-from pd_server.protocol.router_rank import Reject, Welcome
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.rank_router import Hello, RankStats
+from cluster.protocol.router_rank import Reject, Welcome
 
 LOADING, READY, DEAD = "loading", "ready", "dead"
 PD_ROLES = frozenset({"prefill", "decode"})

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pd_server.errors import APIError
-from pd_server.protocol.rank_router import TokenEvent
-from pd_server.protocol.router_rank import Generate
+from cluster.protocol.rank_router import TokenEvent
+from cluster.protocol.router_rank import Generate
 from pd_server.ranks import Rank
 
 if TYPE_CHECKING:

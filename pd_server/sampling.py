@@ -12,7 +12,7 @@ import msgspec
 from engine.sampling_params import SamplingParams
 from pd_server.api_models import SamplingRequest
 from pd_server.errors import bad_request
-from pd_server.protocol.router_rank import Sampling
+from cluster.protocol.router_rank import Sampling
 
 
 def check_prompt(prompt_ids: list[int], max_model_len: int, vocab_size: int, param: str) -> None:

@@ -15,7 +15,7 @@ from pd_server.dispatcher import Dispatcher
 from pd_server.errors import APIError
 from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
-from pd_server.protocol.rank_router import TokenEvent, TokenLogprob
+from cluster.protocol.rank_router import TokenEvent, TokenLogprob
 from pd_server.ranks import RankRegistry
 from pd_server.request_state import ClientGone, Handle
 from pd_server.responses import (ChatLogprobs, CompletionLogprobs, LogprobEntry, TopLogprob, Usage,

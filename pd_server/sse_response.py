@@ -40,7 +40,7 @@ from starlette.responses import Response
 
 from pd_server import fanout, sse
 from pd_server.errors import APIError
-from pd_server.protocol.rank_router import TokenEvent
+from cluster.protocol.rank_router import TokenEvent
 from pd_server.request_state import ClientGone, Handle
 
 SERVER_SEND = "pdserve.server_send"  # scope key (an ASGI scope may carry server-specific keys)

@@ -4,5 +4,5 @@
     handoff_sender.py  the handoff pool (shared memory, registered with the transfer backend):
                        reserve -> stage -> hand off -> release exactly once (Pulled, PullFailed, lease)
 Built on rank_runtime/ (loop, router link, peer sockets, start-up); never imports decode/. Its
-messages to decode ranks are in pd_server/protocol/prefill_decode.py.
+messages to decode ranks are in cluster/protocol/prefill_decode.py.
 """

@@ -43,7 +43,7 @@ from engine.kv_cache import KVPool
 from engine.sequence import Sequence
 from hicache.page_copy import copy_pages
 from hicache.pool import HostPool, HostPoolLayout
-from pd_server.protocol.prefill_decode import PAGES_REGION, STATES_REGION
+from cluster.protocol.prefill_decode import PAGES_REGION, STATES_REGION
 
 log = logging.getLogger(__name__)
 

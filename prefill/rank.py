@@ -39,11 +39,11 @@ from collections import deque
 
 import msgspec
 
-from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes,
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes,
                                                Pulled, PullFailed, Renew)
-from pd_server.protocol.rank_router import RequestError, TokenBatch
-from pd_server.protocol.router_rank import Abort, Generate, Peers
+from cluster.protocol.rank_router import RequestError, TokenBatch
+from cluster.protocol.router_rank import Abort, Generate, Peers
 from prefill.handoff_sender import HandoffSender
 from rank_runtime.loading import load_engine, make_transfer
 from rank_runtime.loop import RankLoop

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pd_server.cli_args import opt
-from pd_server.cluster_auth import cluster_secret_from_env
-from pd_server.protocol import ROLES, Role
+from cluster.cli_args import opt
+from cluster.auth import cluster_secret_from_env
+from cluster.protocol import ROLES, Role
 
 TransferKind = Literal["auto", "nixl", "shm"]
 

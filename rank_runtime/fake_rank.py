@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from rank_runtime.config import RankConfig
 from rank_runtime.serve import serve
 from rank_runtime.router_link import RankLink
-from pd_server.cli_args import add_dataclass_args, from_args, opt
-from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.rank_router import Hello, PhaseTimes, RankStats, TokenBatch, TokenEvent
-from pd_server.protocol.router_rank import Abort, Generate
+from cluster.cli_args import add_dataclass_args, from_args, opt
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.rank_router import Hello, PhaseTimes, RankStats, TokenBatch, TokenEvent
+from cluster.protocol.router_rank import Abort, Generate
 
 log = logging.getLogger("rank_runtime.fake_rank")
 

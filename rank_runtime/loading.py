@@ -43,8 +43,8 @@ def _process_age_s() -> float:
 
 def make_transfer(handoff: HandoffConfig, cfg: RankConfig):
     """The rank's transfer backend (the choice is logged by make_backend)."""
-    from hicache.transfer import make_backend
+    from kv_transfer import make_backend
 
     # Only prefill ranks serve reads. NOTE: a NIXL progress thread on the reading side
-    # spins on the UCX lock the copy holds and halves large reads (hicache/transfer).
+    # spins on the UCX lock the copy holds and halves large reads (kv_transfer).
     return make_backend(handoff.transfer, f"{cfg.name}-{os.getpid()}", serves_peers=cfg.role == "prefill")

@@ -24,9 +24,9 @@ import time
 
 import msgspec
 
-from pd_server.protocol.rank_router import (CacheEvents, CacheUpdate, PhaseTimes, RankStats, RequestError,
+from cluster.protocol.rank_router import (CacheEvents, CacheUpdate, PhaseTimes, RankStats, RequestError,
                                             TokenBatch, TokenEvent, TokenLogprob)
-from pd_server.protocol.router_rank import Abort, Generate
+from cluster.protocol.router_rank import Abort, Generate
 from rank_runtime.router_link import RankLink, RouterLost
 
 log = logging.getLogger(__name__)

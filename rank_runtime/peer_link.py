@@ -8,7 +8,7 @@
 The router's `Peers` message drives the prefill side's connections (`on_peers`). The IO
 thread (rank_link.py) polls `sockets`, turns each received frame into a `PeerMessage` for the
 engine thread's inbox, and sends what the engine thread addresses to a peer. Frames are the
-typed messages of pd_server/protocol/prefill_decode.py; nothing here decides what they mean.
+typed messages of cluster/protocol/prefill_decode.py; nothing here decides what they mean.
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from pd_server.cluster_auth import secure_client, secure_server, start_authenticator
-from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.codec import Codec
-from pd_server.protocol.prefill_decode import DecodeToPrefill, PeerHello, PeerReject, PrefillToDecode
-from pd_server.protocol.router_rank import Peers
+from cluster.auth import secure_client, secure_server, start_authenticator
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.codec import Codec
+from cluster.protocol.prefill_decode import DecodeToPrefill, PeerHello, PeerReject, PrefillToDecode
+from cluster.protocol.router_rank import Peers
 
 log = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from rank_runtime.config import RankConfig
 from rank_runtime.peer_link import PeerMessage, PeerSockets
-from pd_server.cluster_auth import handshake_failure, secure_client
-from pd_server.protocol.codec import Codec
-from pd_server.protocol.rank_router import Goodbye, Hello, RankStats
-from pd_server.protocol.router_rank import Abort, Generate, Peers, Ping, Reject, Shutdown, Welcome
+from cluster.auth import handshake_failure, secure_client
+from cluster.protocol.codec import Codec
+from cluster.protocol.rank_router import Goodbye, Hello, RankStats
+from cluster.protocol.router_rank import Abort, Generate, Peers, Ping, Reject, Shutdown, Welcome
 
 log = logging.getLogger(__name__)
 

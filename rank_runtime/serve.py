@@ -15,9 +15,9 @@ import os
 import signal
 import sys
 
-from pd_server.cli_args import add_dataclass_args, from_args
-from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.rank_router import Hello
+from cluster.cli_args import add_dataclass_args, from_args
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.rank_router import Hello
 from rank_runtime.config import HandoffConfig, RankConfig
 from rank_runtime.faults import FAULT_ENV, faults_for
 from rank_runtime.loop import RankLoop

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from engine.outputs import KVReservation
-from hicache.transfer.base import TransferHandle
+from kv_transfer.base import TransferHandle
 
 
 class FakeClock:

@@ -98,7 +98,7 @@ class _EngineProbe:
 def _transfer_curves(page_bytes: int, pages: list[int], reps: int) -> tuple[Curve1, Curve1]:
     import numpy as np
 
-    from hicache.transfer.shm_backend import ShmBackend, shm_tensor, unlink_shm
+    from kv_transfer.shm_backend import ShmBackend, shm_tensor, unlink_shm
 
     n_pool = max(pages) * 2
     name = f"pdtune-measure-xfer-{os.getpid()}"

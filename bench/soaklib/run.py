@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pd_server.cli_args import opt
+from cluster.cli_args import opt
 
 from .client import Outcome, execute
 from .mix import RequestMix, Spec

@@ -13,10 +13,10 @@ import openai
 import pytest
 import zmq
 
-from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.codec import Codec
-from pd_server.protocol.rank_router import Hello
-from pd_server.protocol.router_rank import Reject
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.codec import Codec
+from cluster.protocol.rank_router import Hello
+from cluster.protocol.router_rank import Reject
 
 MODEL = "smollm2-135m-instruct"
 

@@ -24,7 +24,7 @@ from pd_server.config import RouterConfig
 from pd_server.errors import APIError, anthropic_error_body, error_json
 from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
-from pd_server.protocol.rank_router import RequestError, TokenEvent
+from cluster.protocol.rank_router import RequestError, TokenEvent
 from pd_server.serving import ServerContext
 from pd_server.tool_parser import ParsedToolCall
 

@@ -9,11 +9,11 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from rank_runtime.peer_link import PeerSockets
-from pd_server.cluster_auth import (derive_keys, handshake_failure, secure_client, secure_server,
+from cluster.auth import (derive_keys, handshake_failure, secure_client, secure_server,
                                     start_authenticator)
-from pd_server.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
-from pd_server.protocol.prefill_decode import PeerHello
-from pd_server.protocol.router_rank import PeerInfo, Peers
+from cluster.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
+from cluster.protocol.prefill_decode import PeerHello
+from cluster.protocol.router_rank import PeerInfo, Peers
 
 
 def test_keys_are_derived_per_secret_and_side():

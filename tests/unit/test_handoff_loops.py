@@ -12,8 +12,8 @@ import pytest
 
 from rank_runtime.peer_link import PeerMessage
 from decode.rank import DecodeLoop
-from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.prefill_decode import (
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.prefill_decode import (
     PAGES_REGION,
     STATES_REGION,
     Handoff,
@@ -21,8 +21,8 @@ from pd_server.protocol.prefill_decode import (
     Pulled,
     PullFailed,
 )
-from pd_server.protocol.rank_router import RequestError, TokenBatch
-from pd_server.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Sampling
+from cluster.protocol.rank_router import RequestError, TokenBatch
+from cluster.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Sampling
 from prefill.handoff_sender import HandoffSender
 from prefill.rank import PrefillLoop
 from tests.fakes import FakeBackend, FakeClock, FakeWorld

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from decode.handoff_receiver import HandoffReceiver
-from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.prefill_decode import (PAGES_REGION, STATES_REGION, Handoff, PeerHello, PeerReject,
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.prefill_decode import (PAGES_REGION, STATES_REGION, Handoff, PeerHello, PeerReject,
                                                PeerWelcome, PrefillTimes, Pulled, PullFailed, Renew)
-from pd_server.protocol.rank_router import RequestError
-from pd_server.protocol.router_rank import Sampling
+from cluster.protocol.rank_router import RequestError
+from cluster.protocol.router_rank import Sampling
 from tests.fakes import FakeBackend, FakeClock, FakeEngine, FakeWorld
 
 PEER = b"prefill-0-123"

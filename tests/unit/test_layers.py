@@ -1,6 +1,7 @@
 """The packages' import directions, read from the source (every import, function-level ones too):
-the PD roles build on rank_runtime/ and never on each other; rank_runtime/ knows no role; the
-engine and the host cache know no rank and no router."""
+cluster/ (the messages, cluster auth, flags) and kv_transfer/ depend on no other package of
+ours; the ranks (rank_runtime/, and the PD roles on it, never on each other) do not import the
+router; the engine and the host cache know no rank, router or transfer backend."""
 from __future__ import annotations
 
 import ast
@@ -10,11 +11,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
-    "prefill": {"decode"},
-    "decode": {"prefill"},
-    "rank_runtime": {"decode", "prefill"},
-    "engine": {"decode", "prefill", "rank_runtime", "pd_server"},
-    "hicache": {"decode", "prefill", "rank_runtime", "pd_server"},
+    "cluster": {"pd_server", "rank_runtime", "decode", "prefill", "engine", "hicache", "kv_transfer"},
+    "kv_transfer": {"pd_server", "rank_runtime", "decode", "prefill", "engine"},  # (hicache: its page-copy kernel)
+    "rank_runtime": {"pd_server", "decode", "prefill"},
+    "prefill": {"pd_server", "decode"},
+    "decode": {"pd_server", "prefill"},
+    "engine": {"pd_server", "rank_runtime", "decode", "prefill", "kv_transfer"},
+    "hicache": {"pd_server", "rank_runtime", "decode", "prefill", "kv_transfer"},
 }
 
 

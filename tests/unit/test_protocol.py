@@ -4,13 +4,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pd_server.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
-from pd_server.protocol.codec import Codec
-from pd_server.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes, Pulled,
+from cluster.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
+from cluster.protocol.codec import Codec
+from cluster.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes, Pulled,
                                                PullFailed)
-from pd_server.protocol.rank_router import (CacheEvents, CacheUpdate, Goodbye, Hello, PhaseTimes, RankStats,
+from cluster.protocol.rank_router import (CacheEvents, CacheUpdate, Goodbye, Hello, PhaseTimes, RankStats,
                                             RequestError, TokenBatch, TokenEvent, TokenLogprob)
-from pd_server.protocol.router_rank import (Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown,
+from cluster.protocol.router_rank import (Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown,
                                             Welcome)
 from pd_server.ranks import RankRegistry
 

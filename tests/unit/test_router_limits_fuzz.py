@@ -14,8 +14,8 @@ from pd_server.config import RouterConfig
 from pd_server.dispatcher import Dispatcher
 from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
-from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.rank_router import Hello
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.rank_router import Hello
 from pd_server.ranks import RankRegistry
 from pd_server.routing import make_policy
 from pd_server.serving import ServerContext

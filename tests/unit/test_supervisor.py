@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from rank_runtime.faults import Faults, parse_faults
-from pd_server.protocol import PROTOCOL_VERSION
-from pd_server.protocol.rank_router import Hello
-from pd_server.protocol.router_rank import Reject, Welcome
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.rank_router import Hello
+from cluster.protocol.router_rank import Reject, Welcome
 from pd_server.ranks import DEAD, LOADING, READY, RankRegistry
 from pd_server.supervisor import Supervisor, remove_dead_ranks_shm, remove_rank_shm
 

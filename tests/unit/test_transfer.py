@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.transfer import make_backend
-from hicache.transfer.base import (
+from kv_transfer import make_backend
+from kv_transfer.base import (
     METADATA_VERSION,
     NixlMetadata,
     ShmMetadata,
@@ -26,7 +26,7 @@ from hicache.transfer.base import (
     decode_metadata,
     encode_metadata,
 )
-from hicache.transfer.shm_backend import ShmBackend, find_shm_file, shm_tensor, unlink_shm
+from kv_transfer.shm_backend import ShmBackend, find_shm_file, shm_tensor, unlink_shm
 
 OWNER_PAGES = 64
 LOCAL_PAGES = 48
@@ -44,7 +44,7 @@ def expected_pages() -> torch.Tensor:
 
 def _owner(kind: str, conn: Connection, shm_name: str) -> None:
     """Owner process: register pools, publish metadata, serve until told to stop (or EOF)."""
-    from hicache.transfer.nixl_backend import NixlBackend
+    from kv_transfer.nixl_backend import NixlBackend
 
     backend: TransferBackend = NixlBackend(f"owner-{os.getpid()}") if kind == "nixl" else ShmBackend()
     shape = (OWNER_PAGES, 2, *PAGE_SHAPE)
@@ -97,7 +97,7 @@ def make_reader(kind: str) -> TransferBackend:
     """Reads of up to 4 pages run inline (when the read thread is idle), bigger ones on it."""
     if kind == "shm":
         return ShmBackend(sync_bytes=4 * PAGE_BYTES)
-    from hicache.transfer.nixl_backend import NixlBackend
+    from kv_transfer.nixl_backend import NixlBackend
 
     try:
         # as a decode rank: it only reads, so no progress thread (the owner keeps its own)

@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from hicache.transfer.base import (
+from kv_transfer.base import (
     METADATA_VERSION,
     Region,
     RegionDesc,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pd_server.protocol.router_rank import Sampling
+from cluster.protocol.router_rank import Sampling
 
 # Transfer regions a prefill rank registers (its handoff pool) and a decode rank reads into
 # (its KV pool); the names are part of the contract between the two.

@@ -34,7 +34,7 @@ from typing import Literal
 # handoff leases). 7: Hello.node (the rank's host, for /health).
 PROTOCOL_VERSION = 7
 
-# ZMQ_MAXMSGSIZE of every socket that takes frames from another process (pd_server/cluster_auth.py).
+# ZMQ_MAXMSGSIZE of every socket that takes frames from another process (cluster/auth.py).
 # The largest legitimate frames: a Generate or Handoff of a 1M-token prompt (<= 5 bytes per id in
 # msgpack: ~5 MiB), a CacheEvents evicting 1M host pages in one step (17 bytes per key: ~17 MiB),
 # a TokenBatch of 1k sequences with 20 top logprobs (~1 MiB). A bigger frame is a bug or an

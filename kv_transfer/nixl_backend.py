@@ -42,7 +42,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from hicache.transfer.base import (
+from kv_transfer.base import (
     METADATA_VERSION,
     NixlMetadata,
     Region,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from hicache.transfer.base import TransferBackend, TransferHandle, TransferStatus
+from kv_transfer.base import TransferBackend, TransferHandle, TransferStatus
 
 __all__ = ["TransferBackend", "TransferHandle", "TransferStatus", "TransferKind", "make_backend"]
 
@@ -30,7 +30,7 @@ def make_backend(kind: TransferKind, agent_name: str, *, serves_peers: bool = Tr
     if kind not in ("auto", "nixl", "shm"):
         raise ValueError(f"unknown transfer backend {kind!r} (auto, nixl or shm)")
     if kind != "shm":
-        from hicache.transfer.nixl_backend import NixlBackend
+        from kv_transfer.nixl_backend import NixlBackend
 
         try:
             backend: TransferBackend = NixlBackend(agent_name, progress_thread=serves_peers)
@@ -41,7 +41,7 @@ def make_backend(kind: TransferKind, agent_name: str, *, serves_peers: bool = Tr
         else:
             logger.info("transfer: NIXL (UCX) agent %s", agent_name)
             return backend
-    from hicache.transfer.shm_backend import ShmBackend
+    from kv_transfer.shm_backend import ShmBackend
 
     logger.info("transfer: shared memory (%s)", "chosen" if kind == "shm" else "fallback")
     return ShmBackend()

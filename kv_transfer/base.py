@@ -16,7 +16,7 @@ pinned until the reader reports the outcome (the decode rank's "pulled"/"failed"
 
 Backends: `nixl_backend.NixlBackend` (NIXL over UCX; across hosts, and between processes on one
 host) and `shm_backend.ShmBackend` (same host only: maps the peer's shared-memory pool and copies).
-`hicache.transfer.make_backend` picks one.
+`kv_transfer.make_backend` picks one.
 
 Metadata wire format: the structs at the end of this module, msgpack-encoded with msgspec.
 """

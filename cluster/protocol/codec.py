@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
-from pd_server.protocol.prefill_decode import DecodeToPrefill, PrefillToDecode
-from pd_server.protocol.rank_router import RankToRouter
-from pd_server.protocol.router_rank import RouterToRank
+from cluster.protocol.prefill_decode import DecodeToPrefill, PrefillToDecode
+from cluster.protocol.rank_router import RankToRouter
+from cluster.protocol.router_rank import RouterToRank
 
 
 class HelloProbe(msgspec.Struct, frozen=True, array_like=True, tag="hello"):

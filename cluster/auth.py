@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.utils.z85
 
-from pd_server.protocol import MAX_FRAME_BYTES
+from cluster.protocol import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def start_authenticator(ctx: zmq.Context, secret: str):
         return None
     from zmq.auth.thread import ThreadAuthenticator
 
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("pd_server.cluster_auth.zap"))
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("cluster.auth.zap"))
     auth.start()
     auth.configure_curve_callback(domain=ZAP_DOMAIN.decode(), credentials_provider=_ClientKeyCheck(secret))
     return auth
