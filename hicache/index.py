@@ -5,7 +5,7 @@ uint32, 16 bytes)`; the first page's parent is the namespace key (model, dtype,
 page size), so caches of different models or layouts never share a key. Equal keys
 mean equal token prefixes, so equal KV (up to hash collisions, 2^-128 a pair).
 
-Invariants (tests/unit/test_hicache_index.py checks them):
+Invariants (tests/unit/hicache/test_hicache_index.py checks them):
   - every stored node's parent is stored (chains have no holes);
   - a pinned node's ancestors are pinned (callers pin whole paths from the root);
   - LRU order keeps every parent after all of its descendants, because a path is

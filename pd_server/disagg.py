@@ -31,7 +31,7 @@ Decode locally when
 else a prefill rank prefills. With the 2-core VM's smollm2 curves at 1 thread: (a) holds up to
 ~12 prompt tokens next to 1 decoding stream, ~68 next to 8 (ctx 1024), ~212 next to 32; a
 256-token prompt goes local once ~0.3 s of prefill is queued on its prefill rank (1024: ~1.4 s).
-Pure: inputs in, a Placement out (tests/unit/test_router_disagg.py drives it); the
+Pure: inputs in, a Placement out (tests/unit/pd_server/test_router_disagg.py drives it); the
 dispatcher gathers the inputs and keeps the books, bench/pdtune/sim.py applies the same rule.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared fakes for the handoff state machines (tests/unit/test_handoff_*.py).
+"""Shared fakes for the handoff state machines (tests/unit/decode/test_handoff_*.py, tests/unit/prefill/).
 
 FakeBackend: a TransferBackend look-alike whose peers live in the same process (a shared
 `FakeWorld` maps owner names to registered tensors). Reads copy real bytes, either at once

@@ -6,7 +6,7 @@ NaN/Infinity and oversized values; unknown model; broken tools; prompts beyond t
 every configurable limit just past its bound) followed by seeded mutations of valid requests:
 each mutation applies one to three values drawn from the per-field tables of values that are
 invalid *whatever the rest of the request holds*, so every request is refused, however the
-mutations combine. Used by tests/unit/test_router_limits_fuzz.py (in process) and
+mutations combine. Used by tests/unit/pd_server/test_router_limits_fuzz.py (in process) and
 tests/e2e/test_e2e_fuzz.py (a real system).
 """
 from __future__ import annotations

@@ -92,7 +92,7 @@ class LlamaDecodePlan:
     prefill, 9 of its 97 ms on two threads). The plan makes those choices once, when it is built
     (like a captured CUDA graph), and then calls the same kernels on the same tensors in the same
     order as LlamaDecoderLayer.forward and DecoderLM.forward do for the step, so the bits are the
-    same (tests/unit/test_decode_plan.py): decode entries, prefill chunks (with or without
+    same (tests/unit/engine/test_decode_plan.py): decode entries, prefill chunks (with or without
     earlier context) or both; the linears of a step of more than `max_rows` tokens take torch's
     GEMM, as the modules' do. Prefill chunks take it only where the prefill attention kernel
     runs. Built only where every layer takes those kernels: bf16 on the CPU, no q/k norm, no

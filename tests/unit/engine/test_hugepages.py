@@ -106,7 +106,7 @@ def test_a_write_through_map_readonly_faults(tmp_path):
             f"fd = os.open({str(f)!r}, os.O_RDONLY)\nw = torch.frombuffer(hugepages.map_readonly(fd, 3 << 20), dtype=torch.uint8)\n"
             "print(int(w.sum()), flush=True)\nw[5] = 1\nprint('wrote', flush=True)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parents[2])
+                       cwd=Path(__file__).resolve().parents[3])
     assert r.returncode == -signal.SIGSEGV, (r.returncode, r.stdout, r.stderr)
     assert r.stdout.split() == ["0"]  # read it, and the write never happened
     assert f.read_bytes() == bytes(3 << 20)

@@ -26,7 +26,7 @@ from cluster.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Sampl
 from prefill.handoff_sender import HandoffSender
 from prefill.rank import PrefillLoop
 from tests.fakes import FakeBackend, FakeClock, FakeWorld
-from tests.unit.test_engine_tiny import _engine, _prompts
+from tests.unit.engine.test_engine_tiny import _engine, _prompts
 
 PREFILL_ID = b"prefill-0-1"
 PEERS = Peers([PeerInfo("prefill-0", "prefill", ""), PeerInfo("decode-0", "decode", "tcp://x:1")])

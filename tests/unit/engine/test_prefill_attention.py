@@ -105,7 +105,7 @@ def test_engine_prefill_with_kernel_matches_sdpa_path(model, monkeypatch):
 
     eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", kv_cache_gb=0.25, max_num_batched_tokens=64))
     # the modules' attention, whose two paths this compares (the step plan calls the kernel itself
-    # and equals the modules bit for bit: tests/unit/test_decode_plan.py)
+    # and equals the modules bit for bit: tests/unit/engine/test_decode_plan.py)
     eng.runner.model.use_decode_plan = False
     prompt = torch.randint(100, 20000, (150,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=5)

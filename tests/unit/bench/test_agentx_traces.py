@@ -10,7 +10,7 @@ import pytest
 
 from bench.agentx.gen_traces import MANIFEST, GenConfig, agent_chains, generate, main, reuse_ratios, write
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TRACE_KEYS = {"id", "models", "block_size", "hash_id_scope", "tool_tokens", "system_tokens", "requests", "totals"}
 REQUEST_KEYS = {"t", "type", "model", "in", "out", "hash_ids", "stop", "api_time", "think_time"}
 SUBAGENT_KEYS = {"t", "type", "agent_id", "subagent_type", "duration_ms", "total_tokens", "tool_use_count",
