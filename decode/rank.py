@@ -43,17 +43,17 @@ class DecodeLoop(RankLoop):
         self._pd: dict = {}  # request id -> handoff_receiver.Committed
         super().__init__(engine)
 
-    def _extra_stats(self) -> dict:
+    def extra_stats(self) -> dict:
         r = self.receiver
         return {"handoffs": r.num_handoffs, "transfer_bytes": r.transfer_bytes,
                 "transfer_seconds": r.transfer_seconds}
 
-    def _wait_s(self) -> float:
+    def wait_s(self) -> float:
         if self.engine.has_unfinished():
             return 0.0
         return PULL_POLL_S if self.receiver.num_handoffs else IDLE_WAIT_S
 
-    def _on_message(self, msg) -> None:
+    def on_message(self, msg) -> None:
         r = self.receiver
         if isinstance(msg, PeerMessage):
             if isinstance(msg.msg, Handoff):
@@ -62,7 +62,7 @@ class DecodeLoop(RankLoop):
                 r.on_peer_hello(msg.sender, msg.msg)
         elif isinstance(msg, Abort):
             if not r.on_abort(msg.request_id):
-                self._abort(msg.request_id)
+                self.abort(msg.request_id)
         elif isinstance(msg, Peers):
             r.on_live_prefill({p.name for p in msg.peers if p.role == "prefill"})
         elif isinstance(msg, Generate):
@@ -72,26 +72,26 @@ class DecodeLoop(RankLoop):
             elif r.holds(msg.request_id):
                 self.link.send(RequestError(msg.request_id, 500, "request id already on this decode rank"))
             else:
-                self._generate(msg)
+                self.admit_generate(msg)
 
-    def _drop_all(self, why: str) -> None:
+    def drop_all(self, why: str) -> None:
         self.receiver.drop_all(why)
-        super()._drop_all(why)
+        super().drop_all(why)
 
-    def _progress(self) -> None:
+    def between_steps(self) -> None:
         for c in self.receiver.progress():
             self._pd[c.request_id] = c
 
-    def _times(self, rid: str, now: float) -> PhaseTimes:
+    def phase_times(self, rid: str, now: float) -> PhaseTimes:
         c = self._pd.get(rid)
         if c is None:
-            return super()._times(rid, now)
+            return super().phase_times(rid, now)
         p = c.prefill
         return PhaseTimes(p.arrived, p.first_token, now, p.prefill_start, p.handoff_sent, c.pull_start,
-                          c.pull_end, self._first.get(rid, now))
+                          c.pull_end, self.first_token_at.get(rid, now))
 
-    def _forget(self, rid: str) -> None:
-        super()._forget(rid)
+    def forget(self, rid: str) -> None:
+        super().forget(rid)
         self._pd.pop(rid, None)
 
 

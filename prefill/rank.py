@@ -66,11 +66,11 @@ class PrefillLoop(RankLoop):
         self._t_step = time.time()
         super().__init__(engine)
 
-    def _extra_stats(self) -> dict:
+    def extra_stats(self) -> dict:
         return {"handoff_pages_used": self.sender.pages_used, "handoffs": self.sender.num_handed_off}
 
     # ---- messages ---------------------------------------------------------------------------
-    def _on_message(self, msg) -> None:
+    def on_message(self, msg) -> None:
         if isinstance(msg, Generate):
             self._on_generate(msg)
         elif isinstance(msg, Abort):
@@ -88,7 +88,7 @@ class PrefillLoop(RankLoop):
             self.link.send(RequestError(rid, 400, f"prompt of {len(msg.prompt_ids)} tokens does not fit this "
                                                   "prefill rank's handoff pool; raise --handoff-pool-gb"))
         else:
-            self._arrived[rid] = time.time()
+            self.arrived[rid] = time.time()
             self._held.append(msg)
             self._admit_held()
 
@@ -112,7 +112,7 @@ class PrefillLoop(RankLoop):
                 self.engine.add_request(rid, msg.prompt_ids, params, prefill_only=True)
             except ValueError as e:
                 self.sender.release(rid, "invalid request")
-                self._forget(rid)
+                self.forget(rid)
                 self.link.send(RequestError(rid, 400, str(e)))
                 continue
             self._gen[rid] = msg
@@ -121,14 +121,14 @@ class PrefillLoop(RankLoop):
         for msg in self._held:
             if msg.request_id == rid:
                 self._held.remove(msg)
-                self._forget(rid)
+                self.forget(rid)
                 return
         if self.engine.abort(rid) is not None:
             self.sender.release(rid, "aborted while prefilling")
-            self._forget(rid)
+            self.forget(rid)
         # Handed off: the decode rank answers the Handoff (PullFailed or Pulled); the lease covers silence.
 
-    def _drop_all(self, why: str) -> None:
+    def drop_all(self, why: str) -> None:
         rids = [m.request_id for m in self._held] + list(self.engine.seqs)
         for rid in rids:
             self._on_abort(rid)  # handed-off KV stays pinned until Pulled/PullFailed or its lease
@@ -166,7 +166,7 @@ class PrefillLoop(RankLoop):
                 self.link.send(RequestError(rid, 500, f"{msg.name} refused this prefill rank: {msg.reason}"))
 
     # ---- between steps ------------------------------------------------------------------------
-    def _progress(self) -> None:
+    def between_steps(self) -> None:
         self._admit_held()
         for rid in self.sender.expired():
             self.sender.release(rid, "lease expired")
@@ -174,8 +174,8 @@ class PrefillLoop(RankLoop):
                                                   f"{self.sender.lease_s:.1f}s lease"))
         self._t_step = time.time()
 
-    def _on_outputs(self, outs) -> None:
-        for rid in self._arrived.keys() - self._started.keys():
+    def on_outputs(self, outs) -> None:
+        for rid in self.arrived.keys() - self._started.keys():
             seq = self.engine.seqs.get(rid)
             if seq is None or seq.num_computed > 0:
                 self._started[rid] = self._t_step
@@ -186,17 +186,17 @@ class PrefillLoop(RankLoop):
         for o in outs:
             rid = o.request_id
             if o.finished and o.finish_reason is None and o.kv_export is not None:
-                handoffs.append((o, self._times(rid, now), self._gen.pop(rid)))
-                events.append(msgspec.structs.replace(self._event(o), times=None))  # _event forgets rid
+                handoffs.append((o, self.phase_times(rid, now), self._gen.pop(rid)))
+                events.append(msgspec.structs.replace(self.token_event(o), times=None))  # _event forgets rid
             else:
                 if o.finished:
                     self.sender.release(rid, "finished at its first token")
                     self._gen.pop(rid, None)
-                events.append(self._event(o))
+                events.append(self.token_event(o))
         self.link.send(TokenBatch(events, now))
         for o, t, g in handoffs:
             self._hand_off(o, t, g)
-        self._yield_after_first(events)
+        self.yield_after_first(events)
 
     def _hand_off(self, o, t, g: Generate) -> None:
         rid = o.request_id
@@ -214,23 +214,23 @@ class PrefillLoop(RankLoop):
                                                    self.sender.lease_s, times))
         self.sender.hand_off(rid, peer.encode())
 
-    def _times(self, rid: str, now: float):
-        t = super()._times(rid, now)
+    def phase_times(self, rid: str, now: float):
+        t = super().phase_times(rid, now)
         return msgspec.structs.replace(t, prefill_start=self._started.get(rid, t.arrived))
 
-    def _forget(self, rid: str) -> None:
-        super()._forget(rid)
+    def forget(self, rid: str) -> None:
+        super().forget(rid)
         self._started.pop(rid, None)
         self._gen.pop(rid, None)
 
-    def _fail_all(self, message: str) -> None:
+    def fail_all(self, message: str) -> None:
         for rid in list(self.engine.seqs):
             self.sender.release(rid, "engine failure")
         for rid in self.sender.taken():  # the failed step took its KV, then lost its output
             self.sender.release(rid, "engine failure")
-            self._forget(rid)
+            self.forget(rid)
             self.link.send(RequestError(rid, 500, message))
-        super()._fail_all(message)
+        super().fail_all(message)
 
 
 def main(argv: list[str] | None = None) -> int:

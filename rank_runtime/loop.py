@@ -41,23 +41,36 @@ FIRST_TOKEN_YIELD_S = 0.001
 
 
 class RankLoop:
-    """The engine thread: admits, steps, reports. Owns the engine; never shares it.
+    """The engine thread: admits, steps, reports. Owns the engine; never shares it. It is the
+    colocated role as it stands; the PD roles (decode.rank.DecodeLoop, prefill.rank.PrefillLoop)
+    subclass it and override only these hooks, each called on the engine thread:
 
-    Roles extend it through `_on_message`, `_progress`, `_wait_s`, `_times` and `_extra_stats`.
+      on_message(msg)          one inbox message (Generate, Abort, Peers, a PeerMessage, ...)
+      between_steps()          role work before each step: transfers, leases, held-back prompts
+      wait_s() -> float        how long run_once may wait for a message (0: there is work)
+      on_outputs(outs)         a step's RequestOutputs: ship them (TokenBatch), hand off, ...
+      phase_times(rid, now)    the PhaseTimes the request's last event carries
+      extra_stats() -> dict    role fields of RankStats (handoff and transfer counters)
+      drop_all(why)            the router is gone: end everything, telling no one
+      fail_all(message)        an engine step raised: fail every request (RequestError 500)
+      forget(rid)              the request left this rank: drop what the loop kept for it
+
+    and may call: admit_generate(msg), abort(rid), token_event(output), yield_after_first(events);
+    `arrived` / `first_token_at` map request ids to wall-clock times; `link` is the RankLink.
     """
 
     ships_cache_events = True  # the router routes prompts here by what this host cache holds
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.board = None  # a decode.core_board.CoreBoard: idle cores of this host's ranks, lent per step
+        self.board = None  # a rank_runtime.core_board.CoreBoard: idle cores of this host's ranks, lent per step
         self._cache = getattr(engine, "hicache", None) if self.ships_cache_events else None
         if self._cache is not None:
             self._cache.record_events = True
         self.link: RankLink | None = None
         self.steps = 0
-        self._arrived: dict[str, float] = {}  # request id -> rank wall clock at arrival
-        self._first: dict[str, float] = {}  # request id -> first token time
+        self.arrived: dict[str, float] = {}  # request id -> rank wall clock at arrival
+        self.first_token_at: dict[str, float] = {}  # request id -> first token time
         self._stats = self._snapshot()
 
     def stats(self) -> RankStats:
@@ -70,9 +83,9 @@ class RankLoop:
         return RankStats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
                          pages_total=s["pages_total"], swa_slots_free=s["swa_slots_free"], steps=self.steps,
                          host_cache_lookup_tokens=hc.get("lookup_tokens", 0),
-                         host_cache_hit_tokens=hc.get("hit_tokens", 0), **self._extra_stats())
+                         host_cache_hit_tokens=hc.get("hit_tokens", 0), **self.extra_stats())
 
-    def _extra_stats(self) -> dict:
+    def extra_stats(self) -> dict:
         return {}
 
     def run(self, link: RankLink) -> None:
@@ -86,8 +99,8 @@ class RankLoop:
         eng = self.engine
         if self.board is not None and not eng.has_unfinished():
             self.board.idle()  # before the wait: a peer's step may take this rank's cores from now on
-        self._admit(self._wait_s())
-        self._progress()
+        self._admit(self.wait_s())
+        self.between_steps()
         if not eng.has_unfinished():
             self._stats = self._snapshot()
             return
@@ -98,11 +111,11 @@ class RankLoop:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank
             log.exception("engine step failed")
-            self._fail_all(f"engine failure on this rank: {type(e).__name__}: {e}")
+            self.fail_all(f"engine failure on this rank: {type(e).__name__}: {e}")
             return
         self.steps += 1
         self._ship_cache_events()  # before the tokens: a client's next turn finds the index current
-        self._on_outputs(outs)
+        self.on_outputs(outs)
         try:  # running prompts' pages to the host cache, once their tokens have left
             eng.flush_write_through()
         except Exception:  # noqa: BLE001 - the cache misses those pages; the requests go on
@@ -110,11 +123,11 @@ class RankLoop:
         self._ship_cache_events()
         self._stats = self._snapshot()
 
-    def _wait_s(self) -> float:
+    def wait_s(self) -> float:
         """How long the loop may wait for a message (0: there is work)."""
         return 0.0 if self.engine.has_unfinished() else IDLE_WAIT_S
 
-    def _progress(self) -> None:
+    def between_steps(self) -> None:
         """Role work between steps (transfers, leases, held-back admissions)."""
 
     def _ship_cache_events(self) -> None:
@@ -123,13 +136,13 @@ class RankLoop:
             if events:
                 self.link.send(CacheEvents([CacheUpdate(e.kind, list(e.keys)) for e in events]))
 
-    def _on_outputs(self, outs) -> None:
+    def on_outputs(self, outs) -> None:
         if outs:
-            events = [self._event(o) for o in outs]
+            events = [self.token_event(o) for o in outs]
             self.link.send(TokenBatch(events, time.time()))
-            self._yield_after_first(events)
+            self.yield_after_first(events)
 
-    def _yield_after_first(self, events: list[TokenEvent]) -> None:
+    def yield_after_first(self, events: list[TokenEvent]) -> None:
         """Let a first token leave before the next step takes the cores (FIRST_TOKEN_YIELD_S)."""
         if self.engine.has_unfinished() and any(e.completion_tokens == len(e.token_ids) for e in events):
             time.sleep(FIRST_TOKEN_YIELD_S)
@@ -141,33 +154,33 @@ class RankLoop:
             return
         while True:
             if isinstance(msg, RouterLost):
-                self._drop_all(msg.reason)
+                self.drop_all(msg.reason)
             else:
-                self._on_message(msg)
+                self.on_message(msg)
             try:
                 msg = self.link.inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _on_message(self, msg) -> None:
+    def on_message(self, msg) -> None:
         if isinstance(msg, Generate):
-            self._generate(msg)
+            self.admit_generate(msg)
         elif isinstance(msg, Abort):
-            self._abort(msg.request_id)
+            self.abort(msg.request_id)
 
-    def _abort(self, rid: str) -> None:
+    def abort(self, rid: str) -> None:
         if self.engine.abort(rid) is not None:
-            self._forget(rid)
+            self.forget(rid)
 
-    def _drop_all(self, why: str) -> None:
+    def drop_all(self, why: str) -> None:
         """The router is gone (RouterLost): end every request here, telling no one (no router
         awaits them); roles also drop what they hold outside the engine."""
         rids = list(self.engine.seqs)
         for rid in rids:
-            self._abort(rid)
+            self.abort(rid)
         log.warning("dropped %d request(s): %s", len(rids), why)
 
-    def _generate(self, msg: Generate) -> None:
+    def admit_generate(self, msg: Generate) -> None:
         from engine.sampling_params import SamplingParams
 
         try:
@@ -176,17 +189,17 @@ class RankLoop:
         except ValueError as e:
             self.link.send(RequestError(msg.request_id, 400, str(e)))
             return
-        self._arrived[msg.request_id] = time.time()
+        self.arrived[msg.request_id] = time.time()
 
-    def _event(self, o) -> TokenEvent:
+    def token_event(self, o) -> TokenEvent:
         rid = o.request_id
         now = time.time()
         times = None
         if o.finished:
-            times = self._times(rid, now)
-            self._forget(rid)
+            times = self.phase_times(rid, now)
+            self.forget(rid)
         else:
-            self._first.setdefault(rid, now)
+            self.first_token_at.setdefault(rid, now)
         lps = None
         if o.logprobs is not None:
             lps = [TokenLogprob(lp.token_id, lp.logprob, [(int(i), float(v)) for i, v in lp.top])
@@ -194,19 +207,19 @@ class RankLoop:
         return TokenEvent(rid, o.new_token_ids, o.text, o.finish_reason, o.stop_str, o.prompt_tokens,
                           o.completion_tokens, o.cached_tokens, lps, times)
 
-    def _times(self, rid: str, now: float) -> PhaseTimes:
-        arrived = self._arrived.get(rid, now)
-        return PhaseTimes(arrived, self._first.get(rid, now), now, prefill_start=arrived)
+    def phase_times(self, rid: str, now: float) -> PhaseTimes:
+        arrived = self.arrived.get(rid, now)
+        return PhaseTimes(arrived, self.first_token_at.get(rid, now), now, prefill_start=arrived)
 
-    def _forget(self, rid: str) -> None:
-        self._arrived.pop(rid, None)
-        self._first.pop(rid, None)
+    def forget(self, rid: str) -> None:
+        self.arrived.pop(rid, None)
+        self.first_token_at.pop(rid, None)
 
-    def _fail_all(self, message: str) -> None:
+    def fail_all(self, message: str) -> None:
         for rid in list(self.engine.seqs):
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - the engine is already failing; free what we can
                 log.exception("abort of %s failed", rid)
-            self._forget(rid)
+            self.forget(rid)
             self.link.send(RequestError(rid, 500, message))
