@@ -2,7 +2,8 @@
 with no CPUs for ranks, one node offering `pdserve_prefill` and one `pdserve_decode`), 1P1D, the
 router in the launcher. Greedy outputs equal a colocated system's; /health names each rank's
 node; killing the decode actor's process: Ray restarts it and the new rank rejoins and serves;
-stop leaves no actor, rank process or shared memory behind.
+stop leaves no actor, rank process or shared memory behind; a killed launcher takes its actors
+along; a lost node's rank is placed again on a node that joins.
 Skipped, with the reason, where Ray is not installed (scripts/setup_ray.sh) or cannot start.
 """
 from __future__ import annotations
@@ -125,5 +126,27 @@ def test_a_killed_launcher_takes_its_ray_actors_and_ranks_along(tmp_path, cluste
             time.sleep(0.2)
         assert _gone(rank_pid) and _gone(actor_pid), "the rank or its actor outlived the launcher by 30 s"
         remove_dead_ranks_shm()  # what the next rank started on this node would do
+    finally:
+        stop_system(system)
+
+
+def test_a_lost_node_fails_over_and_its_rank_comes_back_on_a_new_one(tmp_path, cluster):
+    """The decode node disappears (its raylet and everything on it killed): the router declares
+    its rank dead; once a node offering pdserve_decode joins, Ray places the rank there and it
+    rejoins; requests succeed again."""
+    c, _, decode_node = cluster
+    system = start_system(tmp_path, ["--ray", c.address, "--prefill", "1", "--decode", "1", "--model", MODEL,
+                                     "--num-threads", "1", "--kv-cache-gb", "0.05", "--disagg", "always",
+                                     "--restart-backoff-s", "0.5"], timeout=420)
+    try:
+        assert complete(system, "The capital of France is").status_code == 200
+        [node] = [n for n in c.list_all_nodes() if n.node_id == decode_node]
+        c.remove_node(node)
+        system.wait_until(lambda: system.ranks()["decode-0"]["state"] == "dead", 30, "the router saw decode-0 go")
+        new = c.add_node(num_cpus=1, resources={"pdserve_decode": 1}, **NODE_ARGS)
+        system.wait_until(lambda: system.ranks()["decode-0"]["state"] == "ready", 300, "decode-0 placed again")
+        assert new.node_id[:8] in system.ranks()["decode-0"]["node"]
+        r = complete(system, "The capital of France is")
+        assert r.status_code == 200, r.text
     finally:
         stop_system(system)
