@@ -93,7 +93,9 @@ class Dispatcher:
         return self.address
 
     def start(self) -> None:
-        """Start the receive and heartbeat loops on the running event loop."""
+        """Start the receive and heartbeat loops on the running event loop (and load the native
+        SSE sender: built on the first start, from the cache after)."""
+        fanout.load()
         self._loop = asyncio.get_running_loop()
         self._tasks = [asyncio.create_task(self._recv_loop(), name="rank-recv"),
                        asyncio.create_task(self._heartbeat_loop(), name="rank-heartbeat"),

@@ -22,26 +22,19 @@ transport's own write, which buffers it (the stream then goes back to uvicorn's 
 buffer drains) or fails the connection as before.
 
 The module is built once per source version with the C compiler into the pdserve cache
-(`$PDSERVE_CACHE_DIR/ext`); without a compiler the same sends run from Python (os.writev) at
-the round's end. `PDSERVE_FANOUT_THREAD=0` sends a round's bodies at its end on the loop thread
+(`$PDSERVE_CACHE_DIR/kernels`, engine/layers/jit.py's load_c_module) when the router starts
+(`load()`); without a compiler the same sends run from Python (os.writev) at the round's end. `PDSERVE_FANOUT_THREAD=0` sends a round's bodies at its end on the loop thread
 (one native call, no helper); `PDSERVE_NATIVE_FANOUT=0` turns the batching off (every token goes
 through uvicorn's send).
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.machinery
-import importlib.util
 import logging
 import os
-import subprocess
 import sys
-import sysconfig
-from pathlib import Path
 
 log = logging.getLogger("pd_server.fanout")
 
-_SRC = Path(__file__).resolve().parents[1] / "csrc" / "sse_fanout.c"
 _MODULE = "pdserve_sse_fanout"
 _TCP_TRANSPORTS = ("_SelectorSocketTransport", "TCPTransport")  # asyncio's, uvloop's
 
@@ -61,45 +54,28 @@ def _send_chunks_py(fds: list[int], bodies: list[bytes]) -> list[tuple[int, int]
     return short
 
 
-def _build() -> object | None:
-    """The compiled module, built into the cache if needed; None where it cannot be had."""
-    from engine.model_cache import cache_root
+def load() -> bool:
+    """Build (or find cached) and load csrc/sse_fanout.c, once: the router calls it as it starts
+    (nothing is built at import). Until then, and where it cannot be had (no compiler,
+    PDSERVE_NATIVE_FANOUT=0), the Python sends run. True when the native module is in use."""
+    global NATIVE, send_chunks, _tried
+    if not _tried and ENABLED:
+        _tried = True
+        from engine.layers.jit import load_c_module
 
-    digest = hashlib.sha256(_SRC.read_bytes() + sys.version.encode()).hexdigest()[:12]
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    path = cache_root() / "ext" / f"{_MODULE}-{digest}{suffix}"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-        cmd = [*cc.split(), "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", "-o", str(tmp),
-               str(_SRC)]
         try:
-            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as e:
-            tmp.unlink(missing_ok=True)
-            detail = getattr(e, "stderr", b"") or b""
-            log.warning("native SSE fan-out not built (%s %s); using the Python one", e, detail.decode()[-300:])
-            return None
-        tmp.replace(path)
-    loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
-    spec = importlib.util.spec_from_file_location(_MODULE, str(path), loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
-def _load():
-    try:
-        return _build()
-    except Exception as e:  # noqa: BLE001 - any failure leaves the Python sends, which are correct
-        log.warning("native SSE fan-out unavailable (%s); using the Python one", e)
-        return None
+            NATIVE = load_c_module(_MODULE, "sse_fanout.c")
+            send_chunks = NATIVE.send_chunks
+            BATCH.sender = default_sender()  # (made at import, before the module was loaded)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the Python sends, which are correct
+            log.warning("native SSE fan-out unavailable (%s); using the Python one", e)
+    return NATIVE is not None
 
 
 ENABLED = os.environ.get("PDSERVE_NATIVE_FANOUT", "1") != "0"
-NATIVE = _load() if ENABLED else None
-send_chunks = NATIVE.send_chunks if NATIVE is not None else _send_chunks_py
+NATIVE = None  # the loaded csrc/sse_fanout.c, after load()
+send_chunks = _send_chunks_py
+_tried = False
 PIECE = 8  # bodies a post() hands the helper: it starts on a round's first streams while the rest render
 # Rounds of fewer streams send everything at their end on the loop thread: at 64 streams the
 # helper lowered no latency and cost 16% more router CPU a token (docs/results/bench-router.md).

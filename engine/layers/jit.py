@@ -1,4 +1,6 @@
-"""JIT build-and-load of the C++ kernels in `csrc/`, shared by every thin kernel loader.
+"""JIT build-and-load of every native library in `csrc/`: the C++ kernels (torch ops), and
+`load_c_module` for a plain CPython extension in C (the router's csrc/sse_fanout.c). Nothing is
+built at import time: each caller builds (or finds cached) on first use.
 
 `load_kernel` builds a source set with torch.utils.cpp_extension into
 `$PDSERVE_CACHE_DIR/kernels/<variant>-<hash>` and loads the library, which registers
@@ -88,3 +90,40 @@ def load_kernel(who: str, variant: str, sources: Sequence[str], cflags: Sequence
             build_directory=str(build_dir),
             is_python_module=False,  # the library registers its ops in torch.ops.pdserve
         )
+
+
+def load_c_module(name: str, source: str, cflags: Sequence[str] = ("-O2",)):
+    """Build (or find cached) the CPython extension module `name` from `source` (a C file under
+    csrc/) with the C compiler, under the same cache, hash and flock rules as load_kernel (the
+    hash covers the source, the flags and the Python version); returns the loaded module.
+    Raises RuntimeError when it cannot be built."""
+    import importlib.machinery
+    import importlib.util
+    import subprocess
+    import sys
+    import sysconfig
+
+    src = CSRC / source
+    digest = hashlib.sha256(src.read_bytes() + b"\0" + " ".join(cflags).encode() + b"\0" + sys.version.encode())
+    build_dir = cache_root() / "kernels" / f"{name}-{digest.hexdigest()[:12]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    path = build_dir / f"{name}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    with open(build_dir / "pdserve.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if not path.exists():
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+            cmd = [*cc.split(), *cflags, "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", "-o", str(tmp),
+                   str(src)]
+            try:
+                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as e:
+                tmp.unlink(missing_ok=True)
+                detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:]
+                raise RuntimeError(f"cannot build {source} ({e} {detail})") from e
+            tmp.replace(path)
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module

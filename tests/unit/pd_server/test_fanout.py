@@ -20,6 +20,7 @@ from pd_server.prompts import ChatRenderer
 from pd_server.serving import ServerContext
 from test_router_prompts import CHATML, StubTokenizer
 
+fanout.load()  # (the router does it as it starts)
 SENDERS = [pytest.param(fanout._send_chunks_py, id="python")]
 if fanout.send_chunks is not fanout._send_chunks_py:
     SENDERS.insert(0, pytest.param(fanout.send_chunks, id="native"))
