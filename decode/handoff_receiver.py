@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
 from cluster.protocol import PROTOCOL_VERSION
 from cluster.protocol.prefill_decode import (PAGES_REGION, STATES_REGION, Handoff, PeerHello, PeerReject,
                                                PeerWelcome, PrefillTimes, Pulled, PullFailed, Renew)
 from cluster.protocol.rank_router import RequestError
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

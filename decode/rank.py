@@ -16,10 +16,10 @@ import logging
 import sys
 import time
 
-from decode.handoff_receiver import HandoffReceiver
 from cluster.protocol.prefill_decode import PAGES_REGION, STATES_REGION, Handoff, PeerHello
 from cluster.protocol.rank_router import PhaseTimes, RequestError
 from cluster.protocol.router_rank import Abort, Generate, Peers
+from decode.handoff_receiver import HandoffReceiver
 from rank_runtime.faults import faults_for
 from rank_runtime.loading import load_engine, make_transfer
 from rank_runtime.loop import IDLE_WAIT_S, RankLoop

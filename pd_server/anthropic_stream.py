@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 
+from cluster.protocol.rank_router import TokenEvent
 from pd_server import sse
 from pd_server.anthropic_models import (ContentBlockDelta, ContentBlockStart, ContentBlockStop, InputJsonDelta,
                                         Message, MessageDelta, MessagesRequest, MessageStart, MessageStop, StopDelta,
                                         TextContent, TextDelta, Usage, message_id, stop_reason, tool_use, usage_of)
 from pd_server.errors import APIError, anthropic_error_body
 from pd_server.prompts import RenderedChat
-from cluster.protocol.rank_router import TokenEvent
 from pd_server.serving import Choice, ServerContext
 from pd_server.tool_parser import ParsedToolCall, ToolCallParser
 

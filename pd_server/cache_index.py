@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from hicache.index import page_keys
 from cluster.protocol.rank_router import CacheUpdate
+from hicache.index import page_keys
 
 
 class RankCacheIndex:

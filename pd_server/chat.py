@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
+from cluster.protocol.rank_router import TokenEvent
 from pd_server import sse
 from pd_server.api_models import ChatCompletionRequest
 from pd_server.errors import APIError, error_body
 from pd_server.prompts import RenderedChat
-from cluster.protocol.rank_router import TokenEvent
 from pd_server.request_state import Handle
 from pd_server.responses import (ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatMessageOut, Delta,
                                  FunctionDelta, FunctionOut, ToolCallDelta, ToolCallOut, to_json)

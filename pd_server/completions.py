@@ -12,10 +12,10 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
+from cluster.protocol.rank_router import TokenEvent
 from pd_server import sse
 from pd_server.api_models import CompletionRequest
 from pd_server.errors import APIError, bad_request, error_body
-from cluster.protocol.rank_router import TokenEvent
 from pd_server.responses import Completion, CompletionChoice, to_json
 from pd_server.routing import RouteRequest
 from pd_server.sampling import check_prompt, fit_max_tokens, make_sampling

@@ -41,15 +41,15 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pd_server import fanout
 from cluster.auth import handshake_failure, secure_server, start_authenticator
+from cluster.protocol.codec import Codec
+from cluster.protocol.rank_router import CacheEvents, Goodbye, Hello, RankStats, RequestError, TokenBatch, TokenEvent
+from cluster.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown
+from pd_server import fanout
 from pd_server.config import RouterConfig
 from pd_server.metrics import RouterMetrics, phase_durations
 from pd_server.migration import Migrator
 from pd_server.placement import Placer
-from cluster.protocol.codec import Codec
-from cluster.protocol.rank_router import CacheEvents, Goodbye, Hello, RankStats, RequestError, TokenBatch, TokenEvent
-from cluster.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Ping, Reject, Sampling, Shutdown
 from pd_server.ranks import DEAD, PD_ROLES, Rank, RankRegistry, version_mismatch
 from pd_server.request_state import Failure, Handle, Inbox, Pending
 from pd_server.routing import RouteRequest, RoutingPolicy, expected_hit_tokens, pick_decode_rank, pick_rank

@@ -42,11 +42,11 @@ import tempfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from rank_runtime.config import HandoffConfig
-from rank_runtime.core_board import board_path, create_board, home_cpus, host_cpus, remove_stale_launcher_paths
 from cluster.auth import SECRET_ENV, cluster_secret_from_env
 from cluster.cli_args import add_dataclass_args, from_args, opt
 from pd_server.config import RouterConfig
+from rank_runtime.config import HandoffConfig
+from rank_runtime.core_board import board_path, create_board, home_cpus, host_cpus, remove_stale_launcher_paths
 
 log = logging.getLogger("pd_server.launch")
 EXIT_USAGE = 2

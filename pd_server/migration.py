@@ -28,9 +28,9 @@ from collections.abc import Callable
 
 import msgspec
 
+from cluster.protocol.router_rank import Abort, Generate
 from pd_server.config import RouterConfig
 from pd_server.metrics import RouterMetrics
-from cluster.protocol.router_rank import Abort, Generate
 from pd_server.ranks import Rank, RankRegistry
 from pd_server.request_state import Pending
 from pd_server.routing import RouteRequest, RoutingPolicy

@@ -17,11 +17,11 @@ import time
 
 import msgspec
 
+from cluster.protocol.rank_router import TokenEvent
 from pd_server.errors import APIError
 from pd_server.openai_responses import (ResponsesRequest, call_item, message_item, new_id, response_object,
                                         usage_of)
 from pd_server.prompts import RenderedChat
-from cluster.protocol.rank_router import TokenEvent
 from pd_server.serving import Choice, ServerContext
 from pd_server.tool_parser import ParsedToolCall, ToolCallParser
 

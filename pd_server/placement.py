@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import os
 
+from cluster.protocol.router_rank import Sampling
 from pd_server.config import RouterConfig
 from pd_server.disagg import DisaggPolicy, Placement, PlacementInput
 from pd_server.disagg_costs import find_costs
 from pd_server.errors import APIError
-from cluster.protocol.router_rank import Sampling
 from pd_server.ranks import PD_ROLES, Rank, RankRegistry
 from pd_server.request_state import Pending
 from pd_server.routing import RouteRequest, RoutingPolicy, expected_hit_tokens, pick_rank

@@ -17,10 +17,10 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass, field
 
-from pd_server.cache_index import RankCacheIndex
 from cluster.protocol import PROTOCOL_VERSION
 from cluster.protocol.rank_router import Hello, RankStats
 from cluster.protocol.router_rank import Reject, Welcome
+from pd_server.cache_index import RankCacheIndex
 
 LOADING, READY, DEAD = "loading", "ready", "dead"
 PD_ROLES = frozenset({"prefill", "decode"})

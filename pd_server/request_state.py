@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pd_server.errors import APIError
 from cluster.protocol.rank_router import TokenEvent
 from cluster.protocol.router_rank import Generate
+from pd_server.errors import APIError
 from pd_server.ranks import Rank
 
 if TYPE_CHECKING:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import msgspec
 
+from cluster.protocol.router_rank import Sampling
 from engine.sampling_params import SamplingParams
 from pd_server.api_models import SamplingRequest
 from pd_server.errors import bad_request
-from cluster.protocol.router_rank import Sampling
 
 
 def check_prompt(prompt_ids: list[int], max_model_len: int, vocab_size: int, param: str) -> None:

@@ -10,12 +10,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from cluster.protocol.rank_router import TokenEvent, TokenLogprob
 from pd_server.config import RouterConfig
 from pd_server.dispatcher import Dispatcher
 from pd_server.errors import APIError
 from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
-from cluster.protocol.rank_router import TokenEvent, TokenLogprob
 from pd_server.ranks import RankRegistry
 from pd_server.request_state import ClientGone, Handle
 from pd_server.responses import (ChatLogprobs, CompletionLogprobs, LogprobEntry, TopLogprob, Usage,

@@ -38,9 +38,9 @@ from typing import Protocol
 
 from starlette.responses import Response
 
+from cluster.protocol.rank_router import TokenEvent
 from pd_server import fanout, sse
 from pd_server.errors import APIError
-from cluster.protocol.rank_router import TokenEvent
 from pd_server.request_state import ClientGone, Handle
 
 SERVER_SEND = "pdserve.server_send"  # scope key (an ASGI scope may carry server-specific keys)

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cluster.cli_args import opt
 from cluster.auth import cluster_secret_from_env
+from cluster.cli_args import opt
 from cluster.protocol import ROLES, Role
 
 TransferKind = Literal["auto", "nixl", "shm"]

@@ -18,13 +18,13 @@ import sys
 import time
 from dataclasses import dataclass
 
-from rank_runtime.config import RankConfig
-from rank_runtime.serve import serve
-from rank_runtime.router_link import RankLink
 from cluster.cli_args import add_dataclass_args, from_args, opt
 from cluster.protocol import PROTOCOL_VERSION
 from cluster.protocol.rank_router import Hello, PhaseTimes, RankStats, TokenBatch, TokenEvent
 from cluster.protocol.router_rank import Abort, Generate
+from rank_runtime.config import RankConfig
+from rank_runtime.router_link import RankLink
+from rank_runtime.serve import serve
 
 log = logging.getLogger("rank_runtime.fake_rank")
 

@@ -30,12 +30,12 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from rank_runtime.config import RankConfig
-from rank_runtime.peer_link import PeerMessage, PeerSockets
 from cluster.auth import handshake_failure, secure_client
 from cluster.protocol.codec import Codec
 from cluster.protocol.rank_router import Goodbye, Hello, RankStats
 from cluster.protocol.router_rank import Abort, Generate, Peers, Ping, Reject, Shutdown, Welcome
+from rank_runtime.config import RankConfig
+from rank_runtime.peer_link import PeerMessage, PeerSockets
 
 log = logging.getLogger(__name__)
 

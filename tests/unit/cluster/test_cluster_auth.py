@@ -8,12 +8,12 @@ import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from rank_runtime.peer_link import PeerSockets
 from cluster.auth import (derive_keys, handshake_failure, secure_client, secure_server,
                                     start_authenticator)
 from cluster.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 from cluster.protocol.prefill_decode import PeerHello
 from cluster.protocol.router_rank import PeerInfo, Peers
+from rank_runtime.peer_link import PeerSockets
 
 
 def test_keys_are_derived_per_secret_and_side():

@@ -10,8 +10,6 @@ import threading
 
 import pytest
 
-from rank_runtime.peer_link import PeerMessage
-from decode.rank import DecodeLoop
 from cluster.protocol import PROTOCOL_VERSION
 from cluster.protocol.prefill_decode import (
     PAGES_REGION,
@@ -23,8 +21,10 @@ from cluster.protocol.prefill_decode import (
 )
 from cluster.protocol.rank_router import RequestError, TokenBatch
 from cluster.protocol.router_rank import Abort, Generate, PeerInfo, Peers, Sampling
+from decode.rank import DecodeLoop
 from prefill.handoff_sender import HandoffSender
 from prefill.rank import PrefillLoop
+from rank_runtime.peer_link import PeerMessage
 from tests.fakes import FakeBackend, FakeClock, FakeWorld
 from tests.unit.engine.test_engine_tiny import _engine, _prompts
 

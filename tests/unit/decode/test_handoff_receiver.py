@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from decode.handoff_receiver import HandoffReceiver
 from cluster.protocol import PROTOCOL_VERSION
 from cluster.protocol.prefill_decode import (PAGES_REGION, STATES_REGION, Handoff, PeerHello, PeerReject,
                                                PeerWelcome, PrefillTimes, Pulled, PullFailed, Renew)
 from cluster.protocol.rank_router import RequestError
 from cluster.protocol.router_rank import Sampling
+from decode.handoff_receiver import HandoffReceiver
 from tests.fakes import FakeBackend, FakeClock, FakeEngine, FakeWorld
 
 PEER = b"prefill-0-123"

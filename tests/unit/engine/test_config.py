@@ -77,8 +77,8 @@ def test_dtype_auto_is_bf16_only_where_it_runs_natively(monkeypatch):
 
 
 def test_the_launchers_pools_hold_as_many_tokens_in_float32():
-    from rank_runtime.config import HandoffConfig
     from pd_server.launch import _pools_for_dtype
+    from rank_runtime.config import HandoffConfig
 
     hand = HandoffConfig(handoff_pool_gb=0.25)
     e, h = _pools_for_dtype(EngineConfig(dtype="float32", hicache_size_gb=0.25), hand, [])

@@ -15,9 +15,9 @@ from engine.layers import linear
 from engine.layers.linear import Linear
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from rank_runtime.core_board import remove_stale_launcher_paths
 from engine.shared_weights import PREFIX
 from pd_server.launch import make_weights_dir
+from rank_runtime.core_board import remove_stale_launcher_paths
 
 
 def _engine(model_dir, shared: str = "") -> LLMEngine:

@@ -14,6 +14,7 @@ from test_router_limits import KEY, SMALL, make_client
 from test_router_prompts import CHATML, StubTokenizer
 from test_router_stream import Exchange, Recorder, settle
 
+from cluster.protocol.rank_router import RequestError, TokenEvent
 from pd_server import sse
 from pd_server.anthropic_messages import to_chat
 from pd_server.anthropic_models import (ContentBlockDelta, CountTokensRequest, MessagesRequest, TextDelta,
@@ -24,7 +25,6 @@ from pd_server.config import RouterConfig
 from pd_server.errors import APIError, anthropic_error_body, error_json
 from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
-from cluster.protocol.rank_router import RequestError, TokenEvent
 from pd_server.serving import ServerContext
 from pd_server.tool_parser import ParsedToolCall
 

@@ -12,14 +12,14 @@ from starlette.testclient import TestClient
 from test_router_api import MODEL, chat, error
 from test_router_prompts import CHATML, StubTokenizer
 
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.rank_router import Hello
 from pd_server.app import build_app
 from pd_server.config import RouterConfig
 from pd_server.dispatcher import Dispatcher
 from pd_server.errors import APIError
 from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
-from cluster.protocol import PROTOCOL_VERSION
-from cluster.protocol.rank_router import Hello
 from pd_server.ranks import RankRegistry
 from pd_server.routing import make_policy
 from pd_server.security import RequestGuard, api_key, key_matches

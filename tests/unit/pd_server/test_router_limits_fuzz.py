@@ -9,13 +9,13 @@ import collections
 import pytest
 from starlette.testclient import TestClient
 
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.rank_router import Hello
 from pd_server.app import build_app
 from pd_server.config import RouterConfig
 from pd_server.dispatcher import Dispatcher
 from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
-from cluster.protocol import PROTOCOL_VERSION
-from cluster.protocol.rank_router import Hello
 from pd_server.ranks import RankRegistry
 from pd_server.routing import make_policy
 from pd_server.serving import ServerContext

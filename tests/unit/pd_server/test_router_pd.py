@@ -7,13 +7,13 @@ import asyncio
 
 import pytest
 
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.rank_router import Hello, PhaseTimes, RankStats, RequestError, TokenBatch, TokenEvent
+from cluster.protocol.router_rank import Abort, Generate, Peers, Sampling
 from pd_server.config import RouterConfig
 from pd_server.dispatcher import Dispatcher
 from pd_server.errors import APIError
 from pd_server.metrics import RouterMetrics, phase_durations
-from cluster.protocol import PROTOCOL_VERSION
-from cluster.protocol.rank_router import Hello, PhaseTimes, RankStats, RequestError, TokenBatch, TokenEvent
-from cluster.protocol.router_rank import Abort, Generate, Peers, Sampling
 from pd_server.ranks import RankRegistry
 from pd_server.request_state import Failure
 from pd_server.routing import RouteRequest, make_policy, pick_decode_rank

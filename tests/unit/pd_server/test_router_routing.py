@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from pd_server.errors import APIError
 from cluster.protocol import PROTOCOL_VERSION
-from hicache.index import namespace_key, page_keys
 from cluster.protocol.rank_router import CacheUpdate, Hello, RankStats
 from cluster.protocol.router_rank import Reject, Welcome
+from hicache.index import namespace_key, page_keys
+from pd_server.errors import APIError
 from pd_server.ranks import DEAD, LOADING, READY, RankRegistry
 from pd_server.routing import (Affinity, CacheAware, LeastLoaded, RoundRobin, RouteRequest, expected_hit_tokens,
                                make_policy, pick_rank)

@@ -9,15 +9,15 @@ import json
 import pytest
 from test_router_prompts import CHATML, StubTokenizer, WEATHER
 
+from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol.rank_router import Hello, RequestError, TokenEvent
+from cluster.protocol.router_rank import Abort, Generate
 from pd_server import sse
 from pd_server.app import build_app
 from pd_server.config import RouterConfig
 from pd_server.dispatcher import Dispatcher
 from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
-from cluster.protocol import PROTOCOL_VERSION
-from cluster.protocol.rank_router import Hello, RequestError, TokenEvent
-from cluster.protocol.router_rank import Abort, Generate
 from pd_server.ranks import RankRegistry
 from pd_server.responses import ChatChunk, ChatChunkChoice, Completion, CompletionChoice, Delta
 from pd_server.routing import make_policy

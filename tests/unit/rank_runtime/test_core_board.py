@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from rank_runtime.core_board import CoreBoard, board_path, create_board
 from engine.config import EngineConfig
 from pd_server.launch import LaunchConfig, rank_command
+from rank_runtime.core_board import CoreBoard, board_path, create_board
 
 
 @pytest.fixture

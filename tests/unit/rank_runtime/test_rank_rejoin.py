@@ -3,8 +3,8 @@ decode loop, in every phase, frees their pages and tells the old router nothing.
 from __future__ import annotations
 
 from rank_runtime.router_link import RouterLost
-from tests.unit.engine.test_engine_tiny import _prompts
 from tests.unit.decode.test_handoff_loops import Pair
+from tests.unit.engine.test_engine_tiny import _prompts
 
 
 def test_router_lost_drops_requests_in_every_phase_and_frees_their_pages(tiny_model_dir):
