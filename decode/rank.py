@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 
 from cluster.protocol.prefill_decode import PAGES_REGION, STATES_REGION, Handoff, PeerHello
 from cluster.protocol.rank_router import PhaseTimes, RequestError
 from cluster.protocol.router_rank import Abort, Generate, Peers
 from decode.handoff_receiver import HandoffReceiver
 from rank_runtime.faults import faults_for
-from rank_runtime.loading import load_engine, make_transfer
+from rank_runtime.loading import make_transfer
 from rank_runtime.loop import IDLE_WAIT_S, RankLoop
 from rank_runtime.peer_link import PeerMessage, PeerSockets
 from rank_runtime.router_link import RankLink
-from rank_runtime.serve import hello_for, parse_rank_args, serve
+from rank_runtime.serve import hello_for, serve, start_role
 
 log = logging.getLogger("decode.rank")
 
@@ -96,15 +95,7 @@ class DecodeLoop(RankLoop):
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, handoff, engine_cfg = parse_rank_args(argv, __doc__, "decode")
-    if cfg.role != "decode":
-        print(f"error: decode.rank runs --role decode, not {cfg.role!r} (rank_runtime.colocated, prefill.rank)",
-              file=sys.stderr)
-        return 2
-    t0 = time.monotonic()
-    engine = load_engine(engine_cfg, cfg.warmup)
-    log.info("engine ready in %.1fs (model %s, max_model_len %d, %d KV pages)", time.monotonic() - t0,
-             engine_cfg.model, engine.max_model_len, engine.pool.num_pages)
+    cfg, handoff, engine_cfg, engine = start_role(argv, __doc__, "decode", "decode.rank")
     backend = make_transfer(handoff, cfg)
     pool = engine.pool
     backend.register(PAGES_REGION, pool.full, pool.full[0].numel() * pool.full.element_size())

@@ -93,8 +93,7 @@ class Dispatcher:
         return self.address
 
     def start(self) -> None:
-        """Start the receive and heartbeat loops on the running event loop (and load the native
-        SSE sender: built on the first start, from the cache after)."""
+        """Start the receive and heartbeat loops on the running event loop; load the native SSE sender."""
         fanout.load()
         self._loop = asyncio.get_running_loop()
         self._tasks = [asyncio.create_task(self._recv_loop(), name="rank-recv"),
@@ -255,9 +254,8 @@ class Dispatcher:
             # A 5xx for a request whose other rank died (a decode rank that could not pull the
             # KV of a dead prefill rank) moves it, as that rank's death would have.
             p = self.pending.get(msg.request_id)
-            if p is not None and rank not in p.ranks():  # a rank the request moved away from (a lease
-                log.info("ignoring %s's error for %s, which moved to %s: %s", rank.name, msg.request_id,
-                         p.rank.name, msg.message)  # running out on a prefill rank after its decode died)
+            if p is not None and rank not in p.ranks():  # moved away from it (a late lease on a prefill rank)
+                log.info("ignoring %s's error for %s (moved to %s)", rank.name, msg.request_id, p.rank.name)
                 return
             dead = next((r for r in p.ranks() if not r.live), None) if p and msg.status >= 500 else None
             if dead is None or not self.migrator.move(msg.request_id, p, dead, dead.dead_reason):

@@ -45,11 +45,11 @@ from cluster.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, Pee
 from cluster.protocol.rank_router import RequestError, TokenBatch
 from cluster.protocol.router_rank import Abort, Generate, Peers
 from prefill.handoff_sender import HandoffSender
-from rank_runtime.loading import load_engine, make_transfer
+from rank_runtime.loading import make_transfer
 from rank_runtime.loop import RankLoop
 from rank_runtime.peer_link import PeerMessage, PeerSockets
 from rank_runtime.router_link import RankLink
-from rank_runtime.serve import hello_for, parse_rank_args, serve
+from rank_runtime.serve import hello_for, serve, start_role
 
 log = logging.getLogger("prefill.rank")
 
@@ -234,15 +234,7 @@ class PrefillLoop(RankLoop):
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, handoff, engine_cfg = parse_rank_args(argv, __doc__, "prefill")
-    if cfg.role != "prefill":
-        print(f"error: prefill.rank runs --role prefill, not {cfg.role!r} (rank_runtime.colocated, decode.rank)",
-              file=sys.stderr)
-        return 2
-    t0 = time.monotonic()
-    engine = load_engine(engine_cfg, cfg.warmup)
-    log.info("engine ready in %.1fs (model %s, max_model_len %d, %d KV pages)", time.monotonic() - t0,
-             engine_cfg.model, engine.max_model_len, engine.pool.num_pages)
+    cfg, handoff, engine_cfg, engine = start_role(argv, __doc__, "prefill", "prefill.rank")
     sender = HandoffSender.for_engine(engine, handoff.handoff_pool_gb, handoff.handoff_lease_s, cfg.name)
     backend = make_transfer(handoff, cfg)
     sender.register(backend)

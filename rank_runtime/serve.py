@@ -58,6 +58,25 @@ def parse_rank_args(argv, description: str, default_role: str):
     return cfg, from_args(args, HandoffConfig), from_cli_args(args, EngineConfig)
 
 
+def start_role(argv, description: str, role: str, module: str):
+    """A role main's start: its flags (refusing another --role, SystemExit 2) and its loaded
+    engine. Returns (RankConfig, HandoffConfig, EngineConfig, engine)."""
+    import time
+
+    from rank_runtime.loading import load_engine
+
+    cfg, handoff, engine_cfg = parse_rank_args(argv, description, role)
+    if cfg.role != role:
+        print(f"error: {module} runs --role {role}, not {cfg.role!r} (rank_runtime.colocated, decode.rank, "
+              "prefill.rank)", file=sys.stderr)
+        raise SystemExit(2)
+    t0 = time.monotonic()
+    engine = load_engine(engine_cfg, cfg.warmup)
+    log.info("engine ready in %.1fs (model %s, max_model_len %d, %d KV pages)", time.monotonic() - t0,
+             engine_cfg.model, engine.max_model_len, engine.pool.num_pages)
+    return cfg, handoff, engine_cfg, engine
+
+
 def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -> int:
     """Run `loop` on this thread with `link` on its IO thread until the rank must exit."""
     for sig in (signal.SIGTERM, signal.SIGINT):
