@@ -6,7 +6,7 @@ For each model shape, batch size B and context length (every sequence at that
 length) it times one layer's decode attention over a bf16 pool laid out like the
 engine's (`[pages, layers, 2, page_size, KVH, D]`, layer view `pool[:, 0]`, pages
 shuffled) and prints the median of --reps runs:
-  kernel  engine.layers.paged_attention_op.paged_decode_attention
+  kernel  native.paged_attention.paged_decode_attention
   torch   the decode branch of PagedAttention.forward: gather the pages, reshape to
           [B, KVH, L, D], repeat to H heads, contiguous, SDPA with a bool mask
 and speed-up = torch / kernel, plus the largest |kernel - torch| as a sanity check.
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.layers.paged_attention_op import paged_decode_attention
+from native.paged_attention import paged_decode_attention
 
 MODELS = {  # name: (H, KVH, D)
     "smollm2": (9, 3, 64),

@@ -5,7 +5,7 @@
 
 Where the checkpoint is a GGUF model's and the CPU has AMX, decode batches of up to 16 rows read
 each weight's block-quantized copy (Q4_1 / Q8_0 blocks, exact) and rebuild the bf16 tiles in
-L1 (engine/layers/linear.py); `PDSERVE_QUANT_COPY=0` reads the bf16 weights instead. Each side
+L1 (native/linear.py); the other side makes no quant copies and reads the bf16 weights. Each side
 runs in its own subprocess (its own load, its own caches), the two alternating which goes first
 for --rounds rounds: on a shared VM the machine's speed drifts within minutes. A side adds B
 requests of --ctx random prompt tokens, steps the engine until they finish (40 new tokens each),
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -56,10 +55,9 @@ def run_side(model: str, batches: list[int], ctx: int, threads: int) -> dict:
 
 
 def _child(quant: bool, args) -> dict:
-    env = {**os.environ, "PDSERVE_QUANT_COPY": "1" if quant else "0"}
     cmd = [sys.executable, __file__, "--child", "--model", args.model, "--ctx", str(args.ctx),
-           "--threads", str(args.threads), "--batches", *map(str, args.batches)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+           "--threads", str(args.threads), "--batches", *map(str, args.batches), *([] if quant else ["--no-quant"])]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -71,8 +69,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-quant", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        if args.no_quant:  # the layers make no quant copy (the loader's attach_quant finds none)
+            import engine.layers.linear as layers
+            layers.pack_quant_weight = lambda *a, **k: None
         print(json.dumps(run_side(args.model, args.batches, args.ctx, args.threads)))
         return
     got = []

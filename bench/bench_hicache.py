@@ -30,7 +30,7 @@ from engine.kv_cache import KVPool
 from engine.model_cache import cached_model_dir
 from hicache.cache import HostCache
 from hicache.index import PrefixIndex, namespace_key, page_keys
-from hicache.page_copy import copy_pages
+from native.page_copy import copy_pages
 
 PAGE_COUNTS = (1, 16, 256)
 
@@ -132,7 +132,8 @@ def bench_multi_turn(args) -> str:
 
     eng = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, page_size=args.page_size,
                                  kv_cache_gb=1.0, max_num_batched_tokens=args.budget,
-                                 hicache_size_gb=args.hicache_gb, hicache_state_slots=4 * args.convs))
+                                 hicache_size_gb=args.hicache_gb, hicache_state_slots=4 * args.convs),
+                    host_cache=HostCache.for_engine)
     vocab = min(eng.model_cfg.vocab_size, 30000)
     g = torch.Generator().manual_seed(2)
     rand = lambda n: torch.randint(100, vocab, (n,), generator=g).tolist()  # noqa: E731

@@ -1,4 +1,4 @@
-"""Benchmark hicache.page_copy.copy_pages against torch indexing and a plain memcpy.
+"""Benchmark native.page_copy.copy_pages against torch indexing and a plain memcpy.
 
 For each (pages, page size) it copies `pages` scattered pages (random ids, no
 runs of consecutive ids) between two pools and reports GB/s of page bytes moved
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from hicache.page_copy import copy_pages, torch_copy_pages
+from native.page_copy import copy_pages, torch_copy_pages
 
 KiB = 1024
 

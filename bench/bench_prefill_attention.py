@@ -1,4 +1,4 @@
-"""Prefill attention: the AMX kernel (csrc/prefill_attention.cpp) against torch's SDPA, same run.
+"""Prefill attention: the AMX kernel (csrc/attention/prefill_attention.cpp) against torch's SDPA, same run.
 
     .venv/bin/python bench/bench_prefill_attention.py [--lens 530 2048] [--context 512:4096]
         [--pairs 25] [--threads 1]
@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from engine.layers.attention import _sdpa
-from engine.layers.prefill_attention_op import (
+from native.prefill_attention import (
     prefill_attention,
     prefill_attention_available,
 )

@@ -22,24 +22,24 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 
 import zmq
 import zmq.utils.z85
 
+from cluster import settings
 from cluster.protocol import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
-SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+SECRET_ENV = settings.CLUSTER_SECRET.name
 ZAP_DOMAIN = b"pdserve"
 HANDSHAKE_FAILED = frozenset({zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                               zmq.EVENT_HANDSHAKE_FAILED_AUTH})
 
 
 def cluster_secret_from_env() -> str:
-    return os.environ.get(SECRET_ENV, "")
+    return settings.cluster_secret()
 
 
 @dataclass(frozen=True)

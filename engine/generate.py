@@ -22,6 +22,8 @@ def main(argv=None) -> None:
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_cli_args(ap, EngineConfig)
     args = ap.parse_args(argv)
+    if args.hicache_size_gb > 0:  # a rank builds one (rank_runtime/loading.py); one prompt never hits it
+        ap.error("--hicache-size-gb: this demo runs without a host cache")
     eng = LLMEngine(from_cli_args(args, EngineConfig))
     tok = eng.tokenizer
     if args.chat and tok.chat_template:

@@ -16,16 +16,11 @@ off (shmem_enabled "never"; not "deny").
 All three return memory whose mapping lives as long as the last tensor viewing it (a ctypes
 array over the mapping, unmapped by a weakref finalizer; not at exit). Best effort: elsewhere
 (not Linux, no libc mmap) zeros() is torch.zeros, empty_like_all() and map_readonly() return
-None, and where a madvise is refused the kernel's 4 KB pages are what the buffers get;
-PDSERVE_HUGEPAGES=0 turns it off. `huge_bytes(t)` says how much of a tensor's
+None, and where a madvise is refused the kernel's 4 KB pages are what the buffers get.
+`huge_bytes(t)` says how much of a tensor's
 range the kernel maps with huge pages (from /proc/self/smaps), for tests and logs;
-`release_freed_memory()` returns a load's freed heap to the system.
-
-Measured on this 2-core Zen 4 VM, one process switching its packed weights and KV pool between
-4 KB and huge pages in place (4 sequences at ~600 tokens, 10 pairs of 25 steps): a 4-row decode
-step on one thread 18.06 -> 17.16 ms (median; every pair faster); the decode attention alone
-over 30 layers 4.76 -> 4.60 ms. A 542-token prefill on two threads, compute-bound, did not
-change (362.3 / 362.7 ms).
+`release_freed_memory()` returns a load's freed heap to the system. docs/kernels.md has what
+it measured.
 """
 from __future__ import annotations
 
@@ -49,7 +44,7 @@ _FAILED = ctypes.c_void_p(-1).value
 
 
 def enabled() -> bool:
-    return sys.platform == "linux" and os.environ.get("PDSERVE_HUGEPAGES", "1") != "0" and _libc() is not None
+    return sys.platform == "linux" and _libc() is not None
 
 
 @functools.cache

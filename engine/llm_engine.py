@@ -12,7 +12,8 @@ Request life cycle:
      and carries its KV export (pages + SWA state) in the output.
   5. Finished or aborted sequences free their pages and SWA slot at once.
 With a host cache (hicache_size_gb > 0), admission loads the prompt's longest
-stored prefix and prefill writes the prompt through to it (hicache/cache.py).
+stored prefix and prefill writes the prompt through to it. The engine takes it from
+its builder as a factory (engine/host_cache.py; hicache.cache.HostCache.for_engine).
 Roles: colocated = both; prefill-only = add_request(prefill_only=True);
 decode-only = add_imported() with the prefill side's KVExport, or (PD decode rank, KV
 read straight into device pages) reserve_kv() -> transfer into its pages -> add_prefilled().
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import GrammarCompiler
+from engine.host_cache import HostCacheFactory, HostCacheLike
 from engine.kv_cache import KVPool
 from engine.model_cache import cached_model_dir
 from engine.model_runner import ModelRunner
@@ -35,13 +37,17 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.text_decoder import BackendDecoder, load_decoder
-from hicache.cache import HostCache
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, host_cache: HostCacheFactory | None = None) -> None:
+        """`host_cache` builds the host KV cache when cfg.hicache_size_gb > 0 (e.g.
+        hicache.cache.HostCache.for_engine); it is required then, and unused otherwise."""
+        if cfg.hicache_size_gb > 0 and host_cache is None:
+            raise ValueError(f"hicache_size_gb={cfg.hicache_size_gb} needs a host cache: pass "
+                             "LLMEngine(cfg, host_cache=hicache.cache.HostCache.for_engine)")
         self.cfg = cfg
         t0 = time.perf_counter()
         self.model_dir = cached_model_dir(cfg.model)
@@ -73,10 +79,10 @@ class LLMEngine:
         # None): the engine then frees neither, and the hook's owner must free them
         # (KVPool.free / free_slot) before the next step() (prefill/handoff_sender.py does).
         self.export_kv: Callable[[Sequence, KVPool], object] | None = None
-        self.hicache: HostCache | None = None
+        self.hicache: HostCacheLike | None = None
         if cfg.hicache_size_gb > 0:
             t = time.perf_counter()
-            self.hicache = HostCache.for_engine(cfg, self.model_cfg, self.max_model_len)
+            self.hicache = host_cache(cfg, self.model_cfg, self.max_model_len)
             self.load_phases["hicache"] = time.perf_counter() - t
         # The last step's rows not yet written through to the host cache (flush_write_through).
         self._unstored: list[tuple[Sequence, int]] = []

@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+from cluster import settings
 from engine.embedded import EMBEDDED, gguf_path
 
 CACHE_FORMAT = 1  # bump when the conversion's output changes
 
 
 def cache_root() -> Path:
-    root = os.environ.get("PDSERVE_CACHE_DIR") or str(Path.home() / ".cache" / "pdserve")
-    return Path(root)
+    """$PDSERVE_CACHE_DIR, else ~/.cache/pdserve (cluster/settings.py)."""
+    return settings.cache_dir()
 
 
 def _gguf_key(path: Path) -> str:

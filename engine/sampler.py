@@ -15,7 +15,7 @@ Per step, for every row at once (vLLM's order and semantics):
    before penalties and temperature: the chosen token's and the top K, K the
    largest count any row asked for.
 
-On the CPU steps 3-4 run in `csrc/race_sample.cpp` (engine/race_sample_op.py): the filters
+On the CPU steps 3-4 run in `csrc/sampler/race_sample.cpp` (native/sampler.py): the filters
 become -inf logits, and one pass per row runs the race on the raw logits at the row's
 temperature, drawing q_i from a counter hash of (the row's key, i); no [B, V] noise tensor.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.race_sample_op import argmax_rows, race_sample, race_sample_available
+from native.sampler import argmax_rows, race_sample, race_sample_available
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

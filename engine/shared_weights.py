@@ -5,16 +5,13 @@ Every rank of a launch holds the same weights, and the linear kernel's packed co
 layers' weights takes the place of the decode kernel's, plus 98 MB of exact Q4_1 / Q8_0 copies
 for a GGUF checkpoint): mapped from one file they are held once, not once per rank.
 Mapped, the copies are also the same physical pages, so ranks that read a layer at about the
-same time share it in the L3. Measured on this 2-core Zen 4 VM: two processes streaming 30
-blocks of 9 MB took 17-18 ms a pass each with private copies and 10.5 ms with one shared copy
-(one process alone: 11.4 ms); but a 4-row decode step is not bandwidth-bound enough for that to
-show in serving (c8, alternated fresh servers: within the run-to-run noise).
+same time share it in the L3 (docs/kernels.md has what that measured).
 
 The launcher makes a directory on tmpfs (`--shared-weights-dir`, /dev/shm/pdserve-weights-<pid>)
 and removes it when it stops. Each rank builds its model (on the meta device) and calls
 `share_weights` with what the file's content is a function of (`weights_identity`: the bytes
 of the checkpoint's files, the dtype, the engine's and kernels' source, the torch version, the
-CPU's features and the PDSERVE_* settings, all hashed). The file is named by a hash of that
+CPU's features and PDSERVE_KERNELS, all hashed). The file is named by a hash of that
 identity. Under an flock on a lock file next to it, the first rank finds no file: it loads and
 packs its model, writes every parameter and packed kernel copy into the file (under a temporary
 name, renamed: a reader never sees half a file) and maps it. The ranks that start meanwhile wait
@@ -52,6 +49,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cluster import settings
 from engine import hugepages
 
 log = logging.getLogger(__name__)
@@ -60,7 +58,6 @@ ALIGN = 4096  # every tensor starts on its own page
 PREFIX = "pdserve-weights-"
 MAGIC = b"PDSWGT02"  # the file format; bump the digit when the layout or what the identity covers changes
 _COPIES = ("_packed", "_gemm", "_quant")  # a Linear's kernel copies
-_HIDDEN_ENV = ("SECRET", "KEY")  # PDSERVE_* settings that name no kernel path (and stay out of the file)
 
 
 @dataclass
@@ -83,7 +80,7 @@ def weights_identity(model_dir: str | Path, dtype: str) -> str:
     """What a CPU rank's loaded and packed weights are a function of, as one string of digests:
     the name and SHA-1 of every file of `model_dir` (0.4 s for SmolLM2's 538 MB here), the dtype,
     the engine's Python and kernel sources, the torch and safetensors versions, the CPU's model
-    and features (which kernel paths, so which packed layouts) and the PDSERVE_* settings (which
+    and features (which kernel paths, so which packed layouts) and PDSERVE_KERNELS (whether
     copies are made). Raises OSError where the checkpoint cannot be read."""
     parts = [MAGIC.decode(), f"dtype {dtype}", f"torch {torch.__version__}",
              f"safetensors {importlib.metadata.version('safetensors')}", f"code {_code_digest()}",
@@ -97,25 +94,24 @@ def weights_identity(model_dir: str | Path, dtype: str) -> str:
 
 @functools.cache
 def _code_digest() -> str:
-    from engine.layers.jit import CSRC
+    from native.loader import CSRC
 
     digest = hashlib.sha1()
-    root = Path(__file__).resolve().parent  # engine/
-    for f in sorted([*root.rglob("*.py"), *(p for p in CSRC.rglob("*") if p.is_file())]):
-        digest.update(str(f.relative_to(root.parent)).encode() + b"\0" + f.read_bytes() + b"\0")
+    root = Path(__file__).resolve().parents[1]  # the repository: engine/ and native/ (the kernels' wrappers)
+    for f in sorted([*(root / "engine").rglob("*.py"), *(root / "native").rglob("*.py"),
+                     *(p for p in CSRC.rglob("*") if p.is_file())]):
+        digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
 def _cpu_digest() -> str:
-    from engine.layers.jit import cpu_id
+    from native.loader import cpu_id
 
     return hashlib.sha1(f"{platform.machine()}\n{cpu_id()}".encode()).hexdigest()
 
 
 def _env_digest() -> str:
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith("PDSERVE_") and not any(h in k for h in _HIDDEN_ENV))
-    return hashlib.sha1(json.dumps(env).encode()).hexdigest()
+    return hashlib.sha1(settings.packing_identity().encode()).hexdigest()
 
 
 def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -40,7 +40,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVPool
 from engine.sequence import Sequence
 from hicache.index import Node, PrefixIndex, namespace_key, page_keys
-from hicache.page_copy import copy_pages
+from native.page_copy import copy_pages
 from hicache.pool import HostPool, HostPoolLayout, default_shm_name
 
 

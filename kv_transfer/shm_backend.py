@@ -8,7 +8,7 @@ How a read travels:
      cannot read it.
   2. `metadata()` names each region's file, offset and layout, plus this boot's id.
   3. `add_peer` maps the peer's files (refused on another host: the boot ids differ).
-  4. `read` copies with `hicache.page_copy.copy_pages` from the mapping into the local region
+  4. `read` copies with `native.page_copy.copy_pages` from the mapping into the local region
      on the read thread, so the caller's loop keeps running (the kernel releases the GIL), or
      inline when the read is small (see `TransferBackend`).
 
@@ -110,7 +110,7 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, src_idx: list[int], dst_idx: lis
     """dst[dst_idx[i]] = src[src_idx[i]] over `[pages, page_bytes]` uint8 views."""
     s, d = torch.tensor(src_idx, dtype=torch.int64), torch.tensor(dst_idx, dtype=torch.int64)
     if use_kernel and dst.device.type == "cpu":
-        from hicache.page_copy import copy_pages
+        from native.page_copy import copy_pages
 
         copy_pages(src, dst, s, d, num_threads=threads)
     else:  # no compiler for the kernel, or a CUDA destination (the mapping is not pinned)
@@ -221,10 +221,10 @@ def _map_region(peer_id: str, r: RegionDesc) -> torch.Tensor:
 
 
 def _kernel_works() -> bool:
-    """Whether hicache.page_copy's kernel loads here (it JIT-builds once per source hash);
+    """Whether native.page_copy's kernel loads here (it JIT-builds once per source hash);
     built now so the first read does not pay for the compiler."""
     try:
-        from hicache.page_copy import copy_pages
+        from native.page_copy import copy_pages
 
         a, b = torch.zeros(1, 8, dtype=torch.uint8), torch.ones(1, 8, dtype=torch.uint8)
         copy_pages(a, b, [0], [0])

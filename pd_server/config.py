@@ -9,7 +9,6 @@ from pd_server.disagg import MODES as DISAGG_MODES
 from pd_server.disagg import DisaggMode
 
 RoutingPolicyName = Literal["cache-aware", "affinity", "least-loaded", "round-robin"]
-API_KEY_ENV = "PDSERVE_API_KEY"  # read once, by security.api_key(), when --api-key is empty
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class RouterConfig:
     # ---- access and request limits (security.py, limits.py) ----
     # NOTE: repr=False keeps the key out of every log line and traceback that prints the config.
     api_key: str = field(default="", repr=False, metadata={"help": (
-        f"require 'Authorization: Bearer <key>' on every /v1/* route (empty: ${API_KEY_ENV}, "
+        "require 'Authorization: Bearer <key>' on every /v1/* route (empty: $PDSERVE_API_KEY, "
         "if set; /health and /metrics stay open)")})
     max_body_bytes: int = opt(16 * 2**20, "largest request body; past it: 413, before the body is read")
     body_timeout_s: float = opt(30.0, "a request body must arrive in full within this many seconds of its "

@@ -1,4 +1,4 @@
-"""The router's streamed tokens of one dispatcher round go out together (csrc/sse_fanout.c).
+"""The router's streamed tokens of one dispatcher round go out together (native/sse_fanout.py).
 
 A plain streamed token used to cost, per stream, uvicorn's send coroutine, the asyncio
 transport's write and a socket.send call, on the router's one thread, 256 times a step at 256
@@ -21,11 +21,9 @@ disconnected. A socket that takes only part of its frame (or fails) gets the res
 transport's own write, which buffers it (the stream then goes back to uvicorn's send until the
 buffer drains) or fails the connection as before.
 
-The module is built once per source version with the C compiler into the pdserve cache
-(`$PDSERVE_CACHE_DIR/kernels`, engine/layers/jit.py's load_c_module) when the router starts
-(`load()`); without a compiler the same sends run from Python (os.writev) at the round's end. `PDSERVE_FANOUT_THREAD=0` sends a round's bodies at its end on the loop thread
-(one native call, no helper); `PDSERVE_NATIVE_FANOUT=0` turns the batching off (every token goes
-through uvicorn's send).
+The native module is built once per source version into the pdserve cache when the router
+starts (`load()`); without a compiler the same sends run from Python (os.writev) at the round's
+end (`Inline`).
 """
 from __future__ import annotations
 
@@ -35,7 +33,6 @@ import sys
 
 log = logging.getLogger("pd_server.fanout")
 
-_MODULE = "pdserve_sse_fanout"
 _TCP_TRANSPORTS = ("_SelectorSocketTransport", "TCPTransport")  # asyncio's, uvloop's
 
 
@@ -55,16 +52,16 @@ def _send_chunks_py(fds: list[int], bodies: list[bytes]) -> list[tuple[int, int]
 
 
 def load() -> bool:
-    """Build (or find cached) and load csrc/sse_fanout.c, once: the router calls it as it starts
-    (nothing is built at import). Until then, and where it cannot be had (no compiler,
-    PDSERVE_NATIVE_FANOUT=0), the Python sends run. True when the native module is in use."""
+    """Build (or find cached) and load the native module, once: the router calls it as it starts
+    (nothing is built at import). Until then, and where it cannot be had (no compiler), the
+    Python sends run. True when the native module is in use."""
     global NATIVE, send_chunks, _tried
-    if not _tried and ENABLED:
+    if not _tried:
         _tried = True
-        from engine.layers.jit import load_c_module
+        from native import sse_fanout
 
         try:
-            NATIVE = load_c_module(_MODULE, "sse_fanout.c")
+            NATIVE = sse_fanout.load()
             send_chunks = NATIVE.send_chunks
             BATCH.sender = default_sender()  # (made at import, before the module was loaded)
         except Exception as e:  # noqa: BLE001 - any failure leaves the Python sends, which are correct
@@ -72,8 +69,7 @@ def load() -> bool:
     return NATIVE is not None
 
 
-ENABLED = os.environ.get("PDSERVE_NATIVE_FANOUT", "1") != "0"
-NATIVE = None  # the loaded csrc/sse_fanout.c, after load()
+NATIVE = None  # the loaded native module (native/sse_fanout.py), after load()
 send_chunks = _send_chunks_py
 _tried = False
 PIECE = 8  # bodies a post() hands the helper: it starts on a round's first streams while the rest render
@@ -84,7 +80,7 @@ PIPELINE_STREAMS = 128
 
 class Inline:
     """A round's sends on the calling thread at its end: one send_chunks call for every body
-    posted (without the native module, or with PDSERVE_FANOUT_THREAD=0)."""
+    posted (without the native module)."""
 
     def __init__(self) -> None:
         self._fds: list[int] = []
@@ -102,11 +98,9 @@ class Inline:
 
 
 def default_sender():
-    """The native module's pipelined sender (post/collect, a helper thread) where it is built and
-    PDSERVE_FANOUT_THREAD is not 0; else Inline."""
-    if NATIVE is not None and os.environ.get("PDSERVE_FANOUT_THREAD", "1") != "0":
-        return NATIVE
-    return Inline()
+    """The native module's pipelined sender (post/collect, a helper thread) where it is built;
+    else Inline."""
+    return NATIVE if NATIVE is not None else Inline()
 
 
 class Direct:
@@ -121,8 +115,6 @@ class Direct:
     def of(cls, send) -> Direct | None:
         """For the server's send callable after http.response.start went through it: a Direct
         when it is uvicorn's (httptools) response cycle on plain TCP with a chunked body."""
-        if not ENABLED:
-            return None
         cycle = getattr(send, "__self__", None)
         transport = getattr(cycle, "transport", None)
         if (transport is None or getattr(cycle, "chunked_encoding", None) is not True

@@ -44,13 +44,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cluster import settings
 from pd_server.ranks import DEAD, RankRegistry
 
 log = logging.getLogger("pd_server.ray_ranks")
 
 INSTALL_HINT = "Ray is not installed in this venv: run scripts/setup_ray.sh (pip install -e '.[ray]')"
 NODE_IP = "{node_ip}"  # in a rank's command line: replaced by its node's IP on that node
-NODE_ENV = "PDSERVE_NODE"  # the rank's node, as /health shows it
+NODE_ENV = settings.NODE.name  # the rank's node, as /health shows it
 NAMESPACE = "pdserve"
 CHECK_INTERVAL_S = 0.5
 PLACEMENT_TIMEOUT_S = 60.0

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import os
 from collections.abc import Mapping
 
-from pd_server.config import API_KEY_ENV, RouterConfig
+from cluster import settings
+from pd_server.config import RouterConfig
 from pd_server.errors import APIError, error_json, speaks_anthropic
 
 PROTECTED_PREFIX = "/v1/"
@@ -36,9 +36,9 @@ def protected(path: str) -> bool:
     return path.startswith(PROTECTED_PREFIX) or path in PROTECTED_PATHS
 
 
-def api_key(cfg: RouterConfig, environ: Mapping[str, str] = os.environ) -> str:
+def api_key(cfg: RouterConfig, environ: Mapping[str, str] | None = None) -> str:
     """The key requests must carry: --api-key, else $PDSERVE_API_KEY; "" for none."""
-    return cfg.api_key or environ.get(API_KEY_ENV, "")
+    return cfg.api_key or settings.api_key(environ)
 
 
 def key_matches(authorization: bytes | None, key: bytes) -> bool:

@@ -42,7 +42,7 @@ import torch
 from cluster.protocol.prefill_decode import PAGES_REGION, STATES_REGION
 from engine.kv_cache import KVPool
 from engine.sequence import Sequence
-from hicache.page_copy import copy_pages
+from native.page_copy import copy_pages
 from hicache.pool import HostPool, HostPoolLayout
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ when it drops back. With more ranks than cores nothing is pinned (the OS balance
 rank better than a fixed sharing would).
 
 Numerics: by default only steps of at most `invariant_rows` rows borrow (every step with the
-packed AVX512-BF16 linear kernel, 1024 rows with its AMX GEMM: engine/layers/linear.py). Their
+packed AVX512-BF16 linear kernel, 1024 rows with its AMX GEMM: native/linear.py). Their
 ops give a row the same bits at any thread count (small_linear and its AMX GEMM, prefill and
 paged attention, RMSNorm, act_and_mul, rotary, race_sample, elementwise torch ops; paged
 attention's split-K is planned for the rank's own thread count, `set_split_threads`), so
@@ -174,8 +174,8 @@ class CoreBoard:
         self._lendable = False  # the running step may borrow (busy() said so)
         self._idle_since: float | None = None
         self._write(0.0, self.own)
-        from engine.layers.linear import invariant_rows
-        from engine.layers.paged_attention_op import set_split_threads
+        from native.linear import invariant_rows
+        from native.paged_attention import set_split_threads
 
         # Steps up to the Linear kernel's row limit may borrow: every op of theirs then gives a row
         # the same bits at any thread count (paged attention once split-K is pinned here).

@@ -10,10 +10,11 @@ Faults (each widens a window that real failures hit by chance, so a test can hit
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-FAULT_ENV = "PDSERVE_FAULT"
+from cluster import settings
+
+FAULT_ENV = settings.FAULT.name
 KNOWN = frozenset({"hang_before_hello", "delay_pull"})
 
 
@@ -42,4 +43,4 @@ def parse_faults(spec: str, rank_name: str) -> Faults:
 
 
 def faults_for(rank_name: str) -> Faults:
-    return parse_faults(os.environ.get(FAULT_ENV, ""), rank_name)
+    return parse_faults(settings.fault_spec(), rank_name)

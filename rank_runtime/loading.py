@@ -13,12 +13,14 @@ log = logging.getLogger(__name__)
 
 
 def load_engine(engine_cfg, warmup: bool):
-    """The rank's engine, loaded (and warmed up); logs the time of each load phase."""
+    """The rank's engine, loaded (and warmed up), with its host cache when hicache_size_gb > 0;
+    logs the time of each load phase."""
     t = time.perf_counter()
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
+    from hicache.cache import HostCache
     imports = time.perf_counter() - t
-    engine = LLMEngine(engine_cfg)
+    engine = LLMEngine(engine_cfg, host_cache=HostCache.for_engine)
     phases = {"imports": imports, **engine.load_phases}
     if warmup:
         # First steps' one-off costs (kernel JIT, allocator growth; a sampled row) before Hello.

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 
+from cluster import settings
 from cluster.cli_args import add_dataclass_args, from_args
 from cluster.protocol import PROTOCOL_VERSION
 from cluster.protocol.rank_router import Hello
@@ -39,7 +40,7 @@ def node_name() -> str:
     """This rank's host for /health: $PDSERVE_NODE (set by a Ray actor: host, IP, node id), else the hostname."""
     import socket
 
-    return os.environ.get("PDSERVE_NODE") or socket.gethostname()
+    return settings.node() or socket.gethostname()
 
 
 def parse_rank_args(argv, description: str, default_role: str):

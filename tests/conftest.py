@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import os
+from cluster import settings
 
 # scripts/gpu_check.sh runs the parity tests on CUDA through this.
-TEST_DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
+TEST_DEVICE = settings.device_under_test()
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,

@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster import settings
+
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY = "profile_export_aiperf.json"
 RECORDS = "profile_export.jsonl"
@@ -54,7 +56,7 @@ def _server_metrics() -> list[str]:
     on a 2-core machine it costs the server under test (measured in a c1 run of bench_serve: ~3
     scrapes a second, 0.86 s of aiperf CPU and ~0.2 s of the router's in ~25 s, ~4% of a core
     taken from the prefill that is the TTFT)."""
-    return [] if os.environ.get("PDSERVE_AIPERF_SERVER_METRICS") == "1" else ["--no-server-metrics"]
+    return [] if settings.aiperf_server_metrics() else ["--no-server-metrics"]
 
 
 # aiperf 0.13's weka_trace loader reads every hash_id as a block of this many tokens, whatever

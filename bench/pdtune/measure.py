@@ -49,13 +49,14 @@ class _EngineProbe:
         from engine.llm_engine import LLMEngine
         from engine.model_cache import cached_model_dir
         from engine.sampling_params import SamplingParams
+        from hicache.cache import HostCache
 
         page = KVPool.bytes_per_page(ModelConfig.from_hf_dir(cached_model_dir(model)), 16, torch.bfloat16)
         need = (max_batch * -(-max_ctx // 16) + 64) * page  # the decode grid's pages, and some
         self.cfg = EngineConfig(model=model, kv_cache_gb=max(0.25, need / 2**30),
                                 max_num_seqs=max_batch + 2, max_num_batched_tokens=max_new,
                                 hicache_size_gb=0.5, hicache_shm_name=f"pdtune-measure-{os.getpid()}")
-        self.eng = LLMEngine(self.cfg)
+        self.eng = LLMEngine(self.cfg, host_cache=HostCache.for_engine)
         self.one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         self.many = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
         self.rng = random.Random(0)

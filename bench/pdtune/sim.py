@@ -39,59 +39,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from bench.pdtune.costs import StepCosts
 from bench.pdtune.report import RequestResult
+from bench.pdtune.sim_state import Rank, Req
 from bench.pdtune.split import Limits, Split
 from bench.pdtune.workload import Call, Fork, Session, entered_at
 from pd_server.disagg import DisaggPolicy, PlacementInput
-
-
-@dataclass(eq=False)
-class _Req:
-    call: Call
-    keys: tuple  # per prompt block: (session instance, hash id)
-    arrival: float
-    on_done: Callable[[], None]
-    cached: int = 0
-    computed: int = 0
-    generated: int = 0
-    t_admit: float = 0.0
-    t_first: float = 0.0
-    t_pull_start: float = 0.0
-    t_pull_end: float = 0.0
-    t_first_decode: float = 0.0
-    stall: float = 0.0  # decode time spent in steps' prompt chunks (colocated: a chunk stalls decode)
-    decode_rank: "_Rank | None" = None  # PD with a handoff
-    warmup: bool = False  # an AgentX warm-up call (entered_at): served, not reported
-    prefill_est: float = 0.0  # +cond: its estimated prefill seconds where it was placed (the router's queue)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < self.call.input_tokens
-
-
-@dataclass(eq=False)
-class _Rank:
-    name: str
-    role: str  # colocated | prefill | decode
-    index: int
-    waiting: deque = field(default_factory=deque)
-    running: list = field(default_factory=list)
-    cache: set = field(default_factory=set)
-    busy: bool = False  # a step is scheduled or running
-    work: float = 0.0  # CPU sharing: seconds of the running step left at full speed
-    speed: float = 1.0
-    since: float = 0.0  # when `work` was last brought up to date
-    version: int = 0  # the running step's end event carries it; a reshare invalidates older ones
-    batch: list = field(default_factory=list)  # the running step's (request, tokens)
-    inflight: int = 0
-    routed: int = 0
-    handoffs: deque = field(default_factory=deque)
-    pulling: bool = False
 
 
 class Simulator:
@@ -124,7 +79,7 @@ class Simulator:
         self._reached: set[int] = set()
         self._parked: list = []
         self.cpu_cores = cpu_cores
-        self._computing: list[_Rank] = []  # ranks inside a step (CPU sharing)
+        self._computing: list[Rank] = []  # ranks inside a step (CPU sharing)
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
@@ -132,11 +87,11 @@ class Simulator:
         self._instances = itertools.count()
         self.results: list[RequestResult] = []
         if split.colocated:
-            self.prefillers = [_Rank(f"colocated-{i}", "colocated", i) for i in range(split.colocated)]
-            self.decoders: list[_Rank] = []
+            self.prefillers = [Rank(f"colocated-{i}", "colocated", i) for i in range(split.colocated)]
+            self.decoders: list[Rank] = []
         else:
-            self.prefillers = [_Rank(f"prefill-{i}", "prefill", i) for i in range(split.prefill)]
-            self.decoders = [_Rank(f"decode-{i}", "decode", i) for i in range(split.decode)]
+            self.prefillers = [Rank(f"prefill-{i}", "prefill", i) for i in range(split.prefill)]
+            self.decoders = [Rank(f"decode-{i}", "decode", i) for i in range(split.decode)]
         self.disagg = DisaggPolicy("auto", costs) if split.cond else None
         self.placed_local = 0  # +cond: requests the decode rank prefilled
 
@@ -215,7 +170,7 @@ class Simulator:
         warmup = call.warmup
         if not warmup and self._profile_start is None:
             self._profile_start = self.now
-        req = _Req(call, tuple((inst[0], h) for h in call.hash_ids), self.now, then, warmup=warmup)
+        req = Req(call, tuple((inst[0], h) for h in call.hash_ids), self.now, then, warmup=warmup)
         rank = max(self.prefillers, key=lambda r: (self._hit(r, req) - self.limits.load_tokens * r.inflight,
                                                    -r.inflight, -r.routed, -r.index))
         if self.decoders:
@@ -234,7 +189,7 @@ class Simulator:
         rank.waiting.append(req)
         self._kick(rank)
 
-    def _place_local(self, req: _Req, prefill: _Rank, d: _Rank) -> bool:
+    def _place_local(self, req: Req, prefill: Rank, d: Rank) -> bool:
         """The router's --disagg auto rule (pd_server/disagg.py) for `req`; sets its estimate."""
         pol, n = self.disagg, req.call.input_tokens
         hit, local_hit = self._hit(prefill, req), self._hit(d, req)
@@ -246,11 +201,11 @@ class Simulator:
         return local
 
     @staticmethod
-    def _queued_prefill_s(rank: _Rank) -> float:
+    def _queued_prefill_s(rank: Rank) -> float:
         """What the router counts as queued prefill on `rank`: requests without a first token."""
         return sum(r.prefill_est for r in itertools.chain(rank.waiting, rank.running) if r.prefilling)
 
-    def _hit(self, rank: _Rank, req: _Req) -> int:
+    def _hit(self, rank: Rank, req: Req) -> int:
         """Prompt tokens the rank's host cache serves: the leading stored blocks, leaving at
         least one token to compute, in whole pages."""
         n = 0
@@ -263,12 +218,12 @@ class Simulator:
         return min(n * req.call.block_size, cap)
 
     # ---- ranks ----------------------------------------------------------------------------
-    def _kick(self, rank: _Rank) -> None:
+    def _kick(self, rank: Rank) -> None:
         if not rank.busy and (rank.waiting or rank.running):
             rank.busy = True
             self._at(self.now, self._step, rank)
 
-    def _schedule(self, rank: _Rank) -> list[tuple[_Req, int]]:
+    def _schedule(self, rank: Rank) -> list[tuple[Req, int]]:
         lim = self.limits
         budget = lim.max_num_batched_tokens
         batch = []
@@ -288,7 +243,7 @@ class Simulator:
             budget -= n
         return batch
 
-    def _step(self, rank: _Rank) -> None:
+    def _step(self, rank: Rank) -> None:
         batch = self._schedule(rank)
         if not batch:
             rank.busy = False
@@ -326,7 +281,7 @@ class Simulator:
             r.version += 1
             self._at(self.now + r.work / speed, self._step_end, r, r.batch, r.version)
 
-    def _step_end(self, rank: _Rank, batch: list[tuple[_Req, int]], version: int) -> None:
+    def _step_end(self, rank: Rank, batch: list[tuple[Req, int]], version: int) -> None:
         if version != rank.version:
             return  # rescheduled by a reshare
         if self.cpu_cores is not None:
@@ -355,12 +310,12 @@ class Simulator:
         rank.busy = False
         self._kick(rank)
 
-    def _handoff(self, r: _Req) -> None:
+    def _handoff(self, r: Req) -> None:
         d = r.decode_rank
         d.handoffs.append(r)
         self._pump(d)
 
-    def _pump(self, d: _Rank) -> None:
+    def _pump(self, d: Rank) -> None:
         """Start the next read when none runs and the rank has a sequence place."""
         if d.pulling or not d.handoffs or len(d.running) >= self.limits.max_num_seqs:
             return
@@ -370,14 +325,14 @@ class Simulator:
         self._at(self.now + self.costs.transfer_s(r.call.input_tokens * self.costs.kv_bytes_per_token),
                  self._pulled, d, r)
 
-    def _pulled(self, d: _Rank, r: _Req) -> None:
+    def _pulled(self, d: Rank, r: Req) -> None:
         d.pulling = False
         r.t_pull_end = self.now
         d.running.append(r)
         self._kick(d)
         self._pump(d)
 
-    def _finish(self, rank: _Rank, r: _Req) -> None:
+    def _finish(self, rank: Rank, r: Req) -> None:
         rank.running.remove(r)
         rank.inflight -= 1
         if rank.role == "decode":

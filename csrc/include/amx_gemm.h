@@ -1,5 +1,5 @@
-// small_linear's AMX paths: the GEMM for many rows (csrc/amx_gemm.cpp) and the tile path for
-// decode-size batches (csrc/amx_rows.cpp).
+// small_linear's AMX paths: the GEMM for many rows (csrc/linear/amx_gemm.cpp) and the tile path for
+// decode-size batches (csrc/linear/amx_rows.cpp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -30,7 +30,7 @@ int64_t amx_gemm_packed_words(int64_t N, int64_t K, bool gated);
 void amx_gemm_pack(const c10::BFloat16* w, int64_t N, int64_t K, bool gated, uint32_t* out);
 
 #if defined(PDSERVE_AMX)
-// Decode-size batches (csrc/amx_rows.cpp): out rows' columns [0, N / 16 * 16) with 16-row W
+// Decode-size batches (csrc/linear/amx_rows.cpp): out rows' columns [0, N / 16 * 16) with 16-row W
 // tiles, x packed per call; returns the first column left over (0: K % 32 != 0, N < 16 or AMX
 // not granted, nothing written).
 int64_t run_amx(const c10::BFloat16* x, const c10::BFloat16* w, const c10::BFloat16* bias, c10::BFloat16* out,

@@ -1,5 +1,5 @@
-// Work units shared out on torch's threads from one counter (csrc/packed_linear.cpp,
-// csrc/packed_quant.cpp).
+// Work units shared out on torch's threads from one counter (csrc/linear/packed_linear.cpp,
+// csrc/linear/packed_quant.cpp).
 #pragma once
 
 #include <ATen/Parallel.h>

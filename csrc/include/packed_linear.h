@@ -1,5 +1,5 @@
-// The AVX512-BF16 path of small_linear (csrc/packed_linear.cpp; the op and its other paths are
-// csrc/small_linear.cpp): w packed once per weight in panels of 64 output columns with k in
+// The AVX512-BF16 path of small_linear (csrc/linear/packed_linear.cpp; the op and its other paths are
+// csrc/linear/small_linear.cpp): w packed once per weight in panels of 64 output columns with k in
 // pairs, wp[p][q][c][j] = w[n0 + 64 p + c][2 q + j]; x's pairs broadcast against the panels.
 #pragma once
 
@@ -30,7 +30,7 @@ void run_packed(const c10::BFloat16* x, const c10::BFloat16* wp, const c10::BFlo
 // w's columns [n0, N) packed as run_packed reads them (zero past N and K): [P, K2, 64, 2].
 at::Tensor pack(const at::Tensor& w, int64_t n0);
 
-// The block-quantized copy that decode batches read without AMX (csrc/packed_quant.cpp): GGUF
+// The block-quantized copy that decode batches read without AMX (csrc/linear/packed_quant.cpp): GGUF
 // Q4_1 blocks with fp16 d and m (5 bits a weight), with fp32 ones (6), or Q8_0 blocks (9).
 enum QuantKind : int { kQ4H = 1, kQ4 = 2, kQ8 = 3 };
 // Bytes of a copy of w [N, K] of that kind; 0 where the shape has none (N % 32, K % 32).

@@ -1,6 +1,6 @@
 // GGUF's 32-weight block forms found from fp32 weights (exactly: the values these blocks
-// dequantize to), shared by the quant copies of csrc/amx_rows.cpp (AMX tiles) and
-// csrc/packed_quant.cpp (AVX512-BF16 panels): Q4_1 (w = fma(d, q, m), q in 0..15) and Q8_0
+// dequantize to), shared by the quant copies of csrc/linear/amx_rows.cpp (AMX tiles) and
+// csrc/linear/packed_quant.cpp (AVX512-BF16 panels): Q4_1 (w = fma(d, q, m), q in 0..15) and Q8_0
 // (w = d q, q in -128..127).
 #pragma once
 

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
-from engine.layers.paged_attention_op import paged_decode_attention, write_kv
-from engine.layers.prefill_attention_op import prefill_attention
-from engine.layers.prefill_attention_op import usable as prefill_kernel_usable
+from native.paged_attention import paged_decode_attention, write_kv
+from native.prefill_attention import prefill_attention
+from native.prefill_attention import usable as prefill_kernel_usable
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, causal: bool = False):

@@ -3,44 +3,16 @@
 `forward(x)` normalises; `add_norm(x, residual)` first adds the residual stream
 (rounded to the model dtype, as HF's `residual + x`) and returns (norm(sum), sum),
 so a decoder layer hands its residual to the next layer's input norm (vLLM's
-fused add-norm pattern). On the CPU, 2-D contiguous bf16 inputs (fp32: up to MAX_FP32_ROWS rows) go to
-`csrc/rms_norm.cpp` (torch.ops.pdserve.rms_norm: one call instead of about eight
-small ops); anything else (CUDA, the [T, H, D] views q/k norms see) runs the
-torch formulas below, which the kernel reproduces.
+fused add-norm pattern). On the CPU, 2-D contiguous inputs go to native/rms_norm.py's kernel;
+anything else (CUDA, the [T, H, D] views q/k norms see) runs the torch formulas below, which
+the kernel reproduces.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import nn
 
-from engine.layers.jit import load_kernel
-
-
-@functools.cache
-def _load_ops() -> None:
-    load_kernel("engine.layers.norm", "rms_norm_cpu", ["rms_norm.cpp"], ("-O3", "-march=native", "-fopenmp"),
-                headers=["include/bf16_vec.h"])
-
-
-# fp32 rows up to which the kernel runs (decode steps): its fp32 path is one scalar pass
-# per row, slower than torch's vectorised ops for prefill chunks. bf16 rows are vectorised
-# and take the kernel at any count.
-MAX_FP32_ROWS = 64
-
-
-def _fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous():
-        return False
-    if x.dtype == torch.float32 and x.shape[0] > MAX_FP32_ROWS:
-        return False
-    if x.dtype != weight.dtype:
-        return False
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        return False
-    _load_ops()
-    return True
+from native import rms_norm as kernel
 
 
 class RMSNorm(nn.Module):
@@ -54,17 +26,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused(x, self.weight):
-            return torch.ops.pdserve.rms_norm(x, None, self.weight, self.eps, self.gemma)[0]
+        if kernel.usable(x, self.weight):
+            return kernel.rms_norm(x, None, self.weight, self.eps, self.gemma)[0]
         return self._torch(x)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in x's dtype; residual None means zero (the first layer)."""
         if residual is None:
             return self(x), x
-        if _fused(x, self.weight) and residual.is_contiguous() and residual.shape == x.shape:
-            out, total = torch.ops.pdserve.rms_norm(x, residual, self.weight, self.eps, self.gemma)
-            return out, total
+        if kernel.usable(x, self.weight) and residual.is_contiguous() and residual.shape == x.shape:
+            return kernel.rms_norm(x, residual, self.weight, self.eps, self.gemma)
         total = x + residual
         return self._torch(total), total
 

@@ -1,14 +1,12 @@
 """Rotary position embeddings (HF's rotate-half form) with default/linear/llama3 scaling."""
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
 
 from engine.config import RopeConfig
-from engine.layers.jit import load_kernel
+from native import rotary as kernel
 
 
 def inv_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -49,26 +47,13 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-@functools.cache
-def fused_rotary_available() -> bool:
-    """csrc/rotary.cpp built and allowed (PDSERVE_FUSED_ROPE=0 forces the torch ops, for comparison)."""
-    if os.environ.get("PDSERVE_FUSED_ROPE", "1") == "0":
-        return False
-    load_kernel("engine.layers.rotary", "rotary_cpu", ["rotary.cpp"], ("-O3", "-march=native", "-fopenmp"),
-                headers=["include/bf16_vec.h"])
-    return True
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D] rotated by the step's tables ([T, 1, D] each).
 
-    bf16 on the CPU runs in one pass (csrc/rotary.cpp), bitwise equal to the torch ops below.
+    bf16 on the CPU runs in one pass (native/rotary.py), bitwise equal to the torch ops below.
     """
-    if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 3 and x.shape[-1] % 32 == 0
-            and x.stride(-1) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[-1])
-            and cos.dtype == sin.dtype == torch.bfloat16 and fused_rotary_available()):
-        t, d = x.shape[0], x.shape[-1]
-        return torch.ops.pdserve.rotary(x, cos.reshape(t, d), sin.reshape(t, d))
+    if kernel.usable(x, cos, sin):
+        return kernel.rotary(x, cos, sin)
     return x * cos + _rotate_half(x) * sin
 
 

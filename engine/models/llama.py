@@ -5,7 +5,6 @@ layer is four matmuls. Weight names follow Hugging Face checkpoints.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -15,13 +14,15 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
-from engine.layers import norm, paged_attention_op, prefill_attention_op
-from engine.layers.activation import fused_act_available
 from engine.layers.attention import PagedAttention
-from engine.layers.linear import GatedLinear, Linear, amx_gemm_rows, gemm_rows, small_linear_available
+from engine.layers.linear import GatedLinear, Linear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import apply_rotary, fused_rotary_available
+from engine.layers.rotary import apply_rotary
 from engine.models.base import DecoderLM
+from native import paged_attention, prefill_attention, rms_norm
+from native.activation import fused_act_available
+from native.linear import amx_gemm_rows, gemm_rows, small_linear_available
+from native.rotary import fused_rotary_available
 
 
 class LlamaAttention(nn.Module):
@@ -87,9 +88,8 @@ class LlamaDecodePlan:
     """A step of a Llama-family model as one flat loop over the CPU kernels.
 
     A step is about twelve kernel calls a layer. Through the modules each call also pays
-    Python's module calls, wrappers and the checks that pick a kernel (about 60 us a layer: 10-15%
-    of a 4-row SmolLM2 decode step on one core, 2.1 ms of 19.5; ~300 us a layer for a 530-token
-    prefill, 9 of its 97 ms on two threads). The plan makes those choices once, when it is built
+    Python's module calls, wrappers and the checks that pick a kernel (docs/kernels.md has what
+    that cost a step). The plan makes those choices once, when it is built
     (like a captured CUDA graph), and then calls the same kernels on the same tensors in the same
     order as LlamaDecoderLayer.forward and DecoderLM.forward do for the step, so the bits are the
     same (tests/unit/engine/test_decode_plan.py): decode entries, prefill chunks (with or without
@@ -97,7 +97,7 @@ class LlamaDecodePlan:
     GEMM, as the modules' do. Prefill chunks take it only where the prefill attention kernel
     runs. Built only where every layer takes those kernels: bf16 on the CPU, no q/k norm, no
     sliding-window layer, head dim a multiple of 32 (at most 512). A weight replaced or changed
-    in place after the build makes the model rebuild it. PDSERVE_DECODE_PLAN=0 turns it off.
+    in place after the build makes the model rebuild it.
     """
 
     def __init__(self, model: DecoderLM) -> None:
@@ -126,7 +126,7 @@ class LlamaDecodePlan:
         self.max_rows = gemm_rows()  # Linear's kernel takes batches up to this; larger ones take torch's GEMM
         self.gated_amx_rows = amx_gemm_rows() or sys.maxsize  # from here a gated copy runs fused on the AMX GEMM
         # prefill chunks take the plan where the modules' attention takes the kernel for them
-        self.prefills = self.d <= 256 and prefill_attention_op.prefill_attention_available()
+        self.prefills = self.d <= 256 and prefill_attention.prefill_attention_available()
 
     def takes(self, fb: ForwardBatch) -> bool:
         """Whether this step runs on the plan (else through the modules)."""
@@ -136,11 +136,9 @@ class LlamaDecodePlan:
     def build(cls, model: DecoderLM) -> LlamaDecodePlan | None:
         """The plan, or None where some layer would take another path than these kernels."""
         cfg = model.cfg
-        if os.environ.get("PDSERVE_DECODE_PLAN", "1") == "0":  # every step through the modules (comparison)
-            return None
         if (model.device.type != "cpu" or model.embed_tokens.weight.dtype != torch.bfloat16 or not model.layers
                 or cfg.head_dim % 32 or cfg.head_dim > 512 or not small_linear_available()
-                or not fused_rotary_available() or not fused_act_available()):
+                or not fused_rotary_available() or not fused_act_available() or not rms_norm.available()):
             return None
         if any(r.cos.dtype != torch.bfloat16 for r in model.rotary.values()):
             return None
@@ -152,8 +150,7 @@ class LlamaDecodePlan:
             for lin in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
                 if lin.weight.dtype != torch.bfloat16 or not lin.weight.is_contiguous():
                     return None
-        norm._load_ops()
-        paged_attention_op._load_ops()
+        paged_attention._load_ops()
         return cls(model)
 
     def current(self) -> bool:

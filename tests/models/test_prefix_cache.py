@@ -11,6 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from hicache.cache import HostCache
 from tests.conftest import TEST_DEVICE
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,8 @@ TURNS = ["Summarise the passage in one sentence.", "Now name one cause of the fl
 @pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma-3-270m"])
 def test_multi_turn_hits_equal_no_cache(model):
     eng = LLMEngine(EngineConfig(model=model, dtype="float32", kv_cache_gb=0.25, max_num_batched_tokens=256,
-                                 page_size=16, device=TEST_DEVICE, hicache_size_gb=0.25, hicache_state_slots=4))
+                                 page_size=16, device=TEST_DEVICE, hicache_size_gb=0.25, hicache_state_slots=4),
+                    host_cache=HostCache.for_engine)
     tok = eng.tokenizer
     on = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
     off = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1, prefix_cache=False)

@@ -1,7 +1,9 @@
 """The packages' import directions, read from the source (every import, function-level ones too):
-cluster/ (the messages, cluster auth, flags) and kv_transfer/ depend on no other package of
-ours; the ranks (rank_runtime/, and the PD roles on it, never on each other) do not import the
-router; the engine and the host cache know no rank, router or transfer backend."""
+cluster/ (the messages, cluster auth, flags, settings) depends on no other package of ours;
+native/ (the kernels and their loader) only on cluster's settings; kv_transfer/ on those two;
+the ranks (rank_runtime/, and the PD roles on it, never on each other) do not import the
+router; the engine knows no rank, router, transfer backend or host cache, the host cache no
+rank, router or transfer backend."""
 from __future__ import annotations
 
 import ast
@@ -11,12 +13,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
-    "cluster": {"pd_server", "rank_runtime", "decode", "prefill", "engine", "hicache", "kv_transfer"},
-    "kv_transfer": {"pd_server", "rank_runtime", "decode", "prefill", "engine"},  # (hicache: its page-copy kernel)
+    "cluster": {"pd_server", "rank_runtime", "decode", "prefill", "engine", "hicache", "kv_transfer", "native"},
+    "native": {"pd_server", "rank_runtime", "decode", "prefill", "engine", "hicache", "kv_transfer"},
+    "kv_transfer": {"pd_server", "rank_runtime", "decode", "prefill", "engine", "hicache"},
     "rank_runtime": {"pd_server", "decode", "prefill"},
     "prefill": {"pd_server", "decode"},
     "decode": {"pd_server", "prefill"},
-    "engine": {"pd_server", "rank_runtime", "decode", "prefill", "kv_transfer"},
+    "engine": {"pd_server", "rank_runtime", "decode", "prefill", "kv_transfer", "hicache"},
     "hicache": {"pd_server", "rank_runtime", "decode", "prefill", "kv_transfer"},
 }
 

@@ -1,7 +1,7 @@
 """A prompt's tokens and logprobs do not depend on how the scheduler cut it into chunks or on
 what else shared its steps, as long as every step stays within `invariant_rows()` (the
 kernels' paths: the linear kernel (AMX GEMM or AVX512-BF16), the prefill attention kernel,
-paged attention). Without the prefill kernel (PDSERVE_PREFILL_ATTN=0, no AVX512-BF16) prompts
+paged attention). Without the prefill kernel (no AVX512-BF16, or PDSERVE_KERNELS=torch) prompts
 take torch's SDPA, whose blocking depends on the chunk's length, so the test is skipped then.
 
 This is what makes PD output equal colocated output under load: a colocated rank's chunk
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.layers.linear import invariant_rows
-from engine.layers.prefill_attention_op import prefill_attention_available
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from native.linear import invariant_rows
+from native.prefill_attention import prefill_attention_available
 
 
 def _run(prompts, budget: int, together: bool, model: str | None = None) -> dict[str, list]:

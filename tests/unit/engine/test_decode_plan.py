@@ -98,7 +98,7 @@ def test_plan_matches_the_modules_above_the_kernels_rows():
     """A step of more tokens than the linear kernel takes (gemm_rows(): 1024 where AMX runs) has
     its linears on torch's GEMM in the plan as in the modules; the last layer's sampled rows go
     back to the kernel."""
-    from engine.layers.linear import gemm_rows, small_linear_available
+    from native.linear import gemm_rows, small_linear_available
 
     if not small_linear_available():
         pytest.skip("no decode plan here (needs the bf16 CPU kernels)")
@@ -177,7 +177,7 @@ def test_plan_is_rebuilt_when_a_weight_changes(engine):
 
 
 def test_no_plan_off_the_kernels(monkeypatch):
-    monkeypatch.setenv("PDSERVE_DECODE_PLAN", "0")
+    monkeypatch.setattr("engine.models.llama.small_linear_available", lambda: False)  # as without AVX512-BF16
     eng = LLMEngine(EngineConfig(num_threads=1, kv_cache_gb=0.05, max_num_batched_tokens=256))
     try:
         assert eng.runner.model.decode_plan() is None

@@ -16,6 +16,7 @@ from engine.layers.linear import Linear
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.shared_weights import PREFIX
+from native import linear as kernel
 from pd_server.launch import make_weights_dir
 from rank_runtime.core_board import remove_stale_launcher_paths
 
@@ -72,7 +73,7 @@ def test_ranks_map_one_copy_and_decode_what_a_private_copy_decodes(tiny_model_di
             # the AMX GEMM's copies (where the GEMM runs) are in the mapping too
             gemm = [m._gemm[1] for m in model.modules() if isinstance(m, Linear) and m._gemm is not None
                     and m._gemm[1] is not None]
-            assert all(sw.holds(g) for g in gemm) and bool(gemm) == bool(linear.amx_gemm_rows())
+            assert all(sw.holds(g) for g in gemm) and bool(gemm) == bool(kernel.amx_gemm_rows())
             if model.cfg.tie_word_embeddings:
                 assert model.lm_head.weight is model.embed_tokens.weight
         assert _greedy(first) == reference(family)
@@ -222,7 +223,7 @@ def test_quant_copies_are_shared_and_decode_the_bits_of_the_bf16_weights(tiny_mo
     shared = tmp_path / "shared"
     shared.mkdir()
     first, second = _engine(model_dir, str(shared)), _engine(model_dir, str(shared))
-    monkeypatch.setenv("PDSERVE_QUANT_COPY", "0")
+    monkeypatch.setattr(linear, "pack_quant_weight", lambda *a, **k: None)  # this one reads the bf16 weights
     private = _engine(model_dir)
     try:
         for eng in (first, second):
@@ -340,7 +341,7 @@ def test_the_identity_covers_the_checkpoint_bytes_and_the_kernel_settings(tmp_pa
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 99 + b"\1")
     changed = weights_identity(tmp_path, "bfloat16")
     assert changed != base
-    monkeypatch.setenv("PDSERVE_QUANT_COPY", "0")
+    monkeypatch.setenv("PDSERVE_KERNELS", "torch")  # no packed copies
     assert weights_identity(tmp_path, "bfloat16") != changed
 
 

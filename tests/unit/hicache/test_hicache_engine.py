@@ -8,6 +8,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from hicache.cache import HostCache
 from tests.conftest import TEST_DEVICE
 
 PS = 4
@@ -20,7 +21,7 @@ def _engine(path, **kw) -> LLMEngine:
     cfg = dict(model=str(path), dtype="float32", page_size=PS, kv_cache_gb=0.01, max_num_seqs=8,
                max_num_batched_tokens=16, device=TEST_DEVICE, hicache_size_gb=0.01, hicache_state_slots=8)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
+    return LLMEngine(EngineConfig(**cfg), host_cache=HostCache.for_engine)
 
 
 def _rand(n, seed):
@@ -167,3 +168,17 @@ def test_write_through_waits_for_the_flush_unless_the_row_finishes(tiny_model_di
     while eng.has_unfinished():
         eng.step()
     _assert_idle(eng)
+
+
+def test_a_host_cache_size_without_a_factory_is_refused(tiny_model_dir):
+    """engine/ does not import hicache/: an engine asked for a host cache must be given its factory."""
+    with pytest.raises(ValueError, match="needs a host cache"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", hicache_size_gb=0.01))
+
+    def unused(*_):
+        raise AssertionError("the factory is called only when hicache_size_gb > 0")
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", kv_cache_gb=0.01),
+                    host_cache=unused)
+    assert eng.hicache is None and "hicache" not in eng.stats()
+    eng.close()

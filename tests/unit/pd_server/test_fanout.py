@@ -1,4 +1,4 @@
-"""The batched SSE fan-out (pd_server/fanout.py, csrc/sse_fanout.c): the frames on the wire, short
+"""The batched SSE fan-out (pd_server/fanout.py, csrc/fanout/sse_fanout.c): the frames on the wire, short
 writes and failures handed back, and a real uvicorn server streaming through it in order."""
 from __future__ import annotations
 
@@ -309,7 +309,8 @@ def test_streams_through_real_uvicorn_byte_for_byte(monkeypatch, path):
     batched writes (at the round's end, or pipelined through the helper thread) as with
     uvicorn's own send, and the batched path is the one taken."""
     native = path != "uvicorn-send"
-    monkeypatch.setattr(fanout, "ENABLED", native)
+    if not native:  # every token through uvicorn's own send, as on a connection Direct does not take
+        monkeypatch.setattr(fanout.Direct, "of", classmethod(lambda cls, send: None))
     monkeypatch.setattr(fanout, "PIECE", 1)  # the helper gets the first body before the second is rendered
     monkeypatch.setattr(fanout, "PIPELINE_STREAMS", 1)
     counting = CountingSender(fanout.NATIVE if path == "threaded" else fanout.Inline())

@@ -275,7 +275,7 @@ def test_steps_of_unstable_bits_borrow_only_when_asked(tmp_path, threads):
     a.idle()
     assert b.busy(invariant=False) == 2
     fp32 = CoreBoard(path, 0, 1, 2, settle_s=0.0, bf16=False)
-    from engine.layers.linear import invariant_rows
+    from native.linear import invariant_rows
 
     assert a.invariant_rows == invariant_rows() and fp32.invariant_rows == 0  # 0 where the kernel cannot run
 
@@ -287,8 +287,8 @@ def test_steps_give_the_same_bits_on_lent_threads(threads):
     decode batches at contexts past 1024 tokens, where 2 threads
     would cut split-K), give bitwise the same tokens and logprobs."""
     from engine.config import EngineConfig as Cfg
-    from engine.layers.linear import invariant_rows
-    from engine.layers.paged_attention_op import set_split_threads
+    from native.linear import invariant_rows
+    from native.paged_attention import set_split_threads
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 

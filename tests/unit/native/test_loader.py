@@ -1,4 +1,4 @@
-"""The kernels' JIT loader (engine/layers/jit.py): one build at a time per directory, and a
+"""The kernels' JIT loader (native/loader.py): one build at a time per directory, and a
 build killed half-way does not block every later start."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
-from engine.layers import jit
+from native import loader as jit
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def seen(tmp_path, monkeypatch) -> list:
         calls.append((d, (d / "lock").exists()))
 
     monkeypatch.setattr(cpp_extension, "load", load)
-    jit.load_kernel("test", "activation_cpu", ["activation.cpp"], ("-O3",))
+    jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))
     assert calls[0][0].parent == tmp_path / "kernels"
     return calls
 
@@ -33,7 +33,7 @@ def seen(tmp_path, monkeypatch) -> list:
 def test_a_lock_left_by_a_killed_build_is_removed(seen):
     build_dir = seen[0][0]
     (build_dir / "lock").write_text("")  # torch's FileBaton of a process that died mid-build
-    jit.load_kernel("test", "activation_cpu", ["activation.cpp"], ("-O3",))
+    jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))
     assert seen[1] == (build_dir, False)
 
 
@@ -49,7 +49,7 @@ def test_a_second_loader_waits_for_the_build_in_progress(seen):
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        jit.load_kernel("test", "activation_cpu", ["activation.cpp"], ("-O3",))
+        jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))
         assert done.exists() and len(seen) == 2
     finally:
         holder.wait(timeout=10)

@@ -1,26 +1,25 @@
-"""Gated MLP activation: act(gate) * up over a fused [T, 2 * I] gate|up projection.
-
-bf16 CPU inputs go to `csrc/activation.cpp` (torch.ops.pdserve.act_and_mul: one
-pass instead of torch's act-then-multiply, same two bf16 roundings); other dtypes
-and devices run the torch ops, which the kernel reproduces. PDSERVE_FUSED_ACT=0
-forces the torch path (for comparison).
+"""Gated MLP activation act(gate) * up over a fused [T, 2 * I] gate|up projection
+(csrc/elementwise/activation.cpp, torch.ops.pdserve.act_and_mul: one pass instead of torch's
+act-then-multiply, the same two bf16 roundings). bf16 CPU inputs take the kernel; other dtypes
+and devices, and PDSERVE_KERNELS=torch, run the torch ops, which the kernel reproduces.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from engine.layers.jit import load_kernel
+from native import torch_only
+from native.loader import load_kernel
 
 
 @functools.cache
 def fused_act_available() -> bool:
-    if os.environ.get("PDSERVE_FUSED_ACT", "1") == "0":
+    if torch_only():
         return False
-    load_kernel("engine.layers.activation", "activation_cpu", ["activation.cpp"], ("-O3", "-march=native", "-fopenmp"),
+    load_kernel("native.activation", "activation_cpu", ["elementwise/activation.cpp"],
+                ("-O3", "-march=native", "-fopenmp"),
                 headers=["include/act_vec.h", "include/bf16_vec.h", "include/cephes_exp.h"])
     return True
 

@@ -1,13 +1,10 @@
 """Decode attention (one query token per sequence) straight from the paged KV pool.
 
-The CPU kernel is `csrc/paged_attention.cpp`; it reads K/V rows in place through
+The CPU kernel is `csrc/attention/paged_attention.cpp`; it reads K/V rows in place through
 the page table, so no `[B, KVH, L, D]` copy of the context is ever made. It
-registers `torch.ops.pdserve.paged_decode_attention`. The first call JIT-builds it
-for this machine (`-march=native`) into
-`$PDSERVE_CACHE_DIR/kernels/paged_attention_cpu-<hash>`, keyed by a hash of the
-source, the flags, the torch version and the CPU model, so an edit or another
-machine rebuilds; later processes load the cached library. CUDA tensors take the
-plain-torch path (`reference_decode_attention`).
+registers `torch.ops.pdserve.paged_decode_attention`; the first call builds it
+(native/loader.py). CUDA tensors take the plain-torch path (`reference_decode_attention`),
+the test reference too; there is no other CPU path, so PDSERVE_KERNELS=torch leaves it on.
 """
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import functools
 
 import torch
 
-from engine.layers.jit import load_kernel
+from native.loader import load_kernel
 
 # -fopenmp: at::parallel_for is header code over OpenMP; without it the kernel runs
 # on one thread. The extension shares torch's already-loaded libgomp.so.1.
@@ -25,7 +22,7 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 @functools.cache
 def _load_ops() -> None:
     """Build (or find cached) and load the kernel into torch.ops.pdserve."""
-    load_kernel("engine.layers.paged_attention_op", "paged_attention_cpu", ["paged_attention.cpp"], _CFLAGS,
+    load_kernel("native.paged_attention", "paged_attention_cpu", ["attention/paged_attention.cpp"], _CFLAGS,
                 headers=["include/cephes_exp.h", "include/bf16_vec.h", "include/lane_pairs.h",
                          "include/paged_attention_item.h"])
 
@@ -58,8 +55,8 @@ def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, page_table: torch.
 def write_kv(kv: torch.Tensor, pages: torch.Tensor, offs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """kv[pages, 0, offs] = k and kv[pages, 1, offs] = v: one step's K/V [T, KVH, D] into a
     layer's pages ([num_pages, 2, page_size, KVH, D], as paged_decode_attention reads them).
-    On the CPU one call of row copies (csrc/paged_attention.cpp; a decode step's two index_puts
-    cost ~4x that), else the index_puts. Raises on an index outside the pool before writing."""
+    On the CPU one call of row copies (csrc/attention/paged_attention.cpp, in place of two
+    index_puts), else the index_puts. Raises on an index outside the pool before writing."""
     if (kv.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu" and kv.dim() == 5
             and pages.dtype == offs.dtype == torch.long and k.dtype == v.dtype == kv.dtype
             and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (kv, k, v))):

@@ -1,4 +1,4 @@
-"""The AMX prefill attention kernel (csrc/prefill_attention.cpp) against an fp32 reference:
+"""The AMX prefill attention kernel (csrc/attention/prefill_attention.cpp) against an fp32 reference:
 causal from the chunk's offset in its context, grouped-query heads, ragged sizes, strided q/k/v
 as the projections leave them; and the engine's two prefill paths through it."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.prefill_attention_op import prefill_attention, prefill_attention_available
+from native.prefill_attention import prefill_attention, prefill_attention_available
 
 pytestmark = pytest.mark.skipif(not prefill_attention_available(), reason="needs a CPU with AVX512-BF16")
 

@@ -1,18 +1,14 @@
-"""apply_rotary: the bf16 CPU kernel (csrc/rotary.cpp) against the torch ops it replaces."""
+"""apply_rotary: the bf16 CPU kernel (csrc/elementwise/rotary.cpp) against the torch ops it replaces."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine.config import RopeConfig
-from engine.layers.rotary import (
-    RotaryEmbedding,
-    _rotate_half,
-    apply_rotary,
-    fused_rotary_available,
-)
+from engine.layers.rotary import RotaryEmbedding, _rotate_half, apply_rotary
+from native.rotary import fused_rotary_available
 
-pytestmark = pytest.mark.skipif(not fused_rotary_available(), reason="PDSERVE_FUSED_ROPE=0")
+pytestmark = pytest.mark.skipif(not fused_rotary_available(), reason="PDSERVE_KERNELS=torch")
 
 
 def torch_rotary(x, cos, sin):

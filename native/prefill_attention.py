@@ -1,33 +1,31 @@
 """Causal attention of a prefill chunk on the CPU's tile unit, or its AVX512-BF16 dot products
-where there is no AMX (`csrc/prefill_attention.cpp`).
+where there is no AMX (`csrc/attention/prefill_attention.cpp`), in place of torch's SDPA.
 
-torch's fused CPU SDPA reached ~100 GFLOP/s on one core for a 530-token bf16 prefill of
-SmolLM2 (a quarter of the prefill's time); the kernel runs both products as AMX tile
-products (AVX512-BF16 dot products without AMX: 2.4-3.4x SDPA on AMD Zen 4) and the softmax
-lane-wise over keys. It takes q/k/v in the layout the projections
-produce ([tokens, heads, D], any token stride), so no transposes or head repeats are made.
-bf16 on a CPU with AVX512-BF16 only; anything else (fp32 parity runs, CUDA, other CPUs) keeps
-SDPA. Either path gives a query the same bits however its prompt is chunked, which SDPA
-does not (its blocking depends on the chunk's length).
-Set PDSERVE_PREFILL_ATTN=0 to force SDPA (for comparison).
+Both products run as AMX tile products (AVX512-BF16 dot products without AMX) and the softmax
+lane-wise over keys. It takes q/k/v in the layout the projections produce ([tokens, heads, D],
+any token stride), so no transposes or head repeats are made. bf16 on a CPU with AVX512-BF16
+only; anything else (fp32 parity runs, CUDA, other CPUs, PDSERVE_KERNELS=torch) keeps SDPA.
+The kernel gives a query the same bits however its prompt is chunked, which SDPA does not (its
+blocking depends on the chunk's length).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from engine.layers.jit import load_kernel
+from native import torch_only
+from native.loader import load_kernel
 
 
 @functools.cache
 def prefill_attention_available() -> bool:
     """True when the kernel is built and this CPU runs it (cached per process)."""
-    if os.environ.get("PDSERVE_PREFILL_ATTN", "1") == "0":
+    if torch_only():
         return False
-    load_kernel("engine.layers.prefill_attention_op", "prefill_attention_cpu", ["prefill_attention.cpp"],
-                ("-O3", "-march=native", "-fopenmp"), headers=["include/amx_tiles.h", "include/bf16_vec.h", "include/cephes_exp.h", "include/transpose16.h"])
+    load_kernel("native.prefill_attention", "prefill_attention_cpu", ["attention/prefill_attention.cpp"],
+                ("-O3", "-march=native", "-fopenmp"),
+                headers=["include/amx_tiles.h", "include/bf16_vec.h", "include/cephes_exp.h", "include/transpose16.h"])
     return bool(torch.ops.pdserve.prefill_attention_supported())
 
 

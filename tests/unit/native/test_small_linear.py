@@ -1,4 +1,4 @@
-"""small_linear (csrc/small_linear.cpp) against an fp32 reference, and the Linear layer's dispatch.
+"""small_linear (csrc/linear/small_linear.cpp) against an fp32 reference, and the Linear layer's dispatch.
 
 The kernel accumulates bf16 products in fp32 and rounds once, so it must match the
 fp32 product of the same bf16 inputs to bf16 rounding, and a row's result must not
@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers import linear
-from engine.layers.linear import Linear, small_linear, small_linear_available
+from engine.layers.linear import Linear
+from native import linear as kernel
+from native.linear import small_linear, small_linear_available
 
 pytestmark = pytest.mark.skipif(not small_linear_available(), reason="no AVX512-BF16 on this CPU/compiler")
 
@@ -79,28 +81,15 @@ def test_layer_routes_bf16_batches_to_the_kernel(monkeypatch):
     layer = Linear(64, 24, bias=True).to(torch.bfloat16).requires_grad_(False)
     calls = []
     monkeypatch.setattr(linear, "small_linear", lambda *a: calls.append(a[0].shape[0]) or small_linear(*a))
-    limit = linear.gemm_rows()
+    limit = kernel.gemm_rows()
     amx = torch.ops.pdserve.small_linear_amx()
-    assert limit == (linear.GEMM_ROWS if amx else linear.ALL_ROWS) == linear.invariant_rows()
-    for m in (1, linear.MAX_ROWS, linear.GEMM_ROWS, linear.GEMM_ROWS + 1):
+    assert limit == (kernel.GEMM_ROWS if amx else kernel.ALL_ROWS) == kernel.invariant_rows()
+    for m in (1, 32, kernel.GEMM_ROWS, kernel.GEMM_ROWS + 1):
         x = bf16(m, 64, seed=m)
         torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(),
                                    atol=2e-2, rtol=2e-2)
     layer.float()(bf16(1, 64, seed=1).float())  # fp32 stays on torch's path
-    assert calls == [1, linear.MAX_ROWS, linear.GEMM_ROWS] + ([] if amx else [linear.GEMM_ROWS + 1])
-
-
-def test_without_the_chunk_gemm_prefill_chunks_use_torch(monkeypatch):
-    monkeypatch.setenv("PDSERVE_CHUNK_GEMM", "0")
-    linear.gemm_rows.cache_clear()
-    linear.amx_gemm_rows.cache_clear()  # derived from gemm_rows(): cached with it
-    try:
-        assert linear.gemm_rows() == linear.invariant_rows() == linear.MAX_ROWS
-        assert linear.amx_gemm_rows() == 0  # no AMX GEMM, so no GEMM copies either
-    finally:
-        monkeypatch.delenv("PDSERVE_CHUNK_GEMM")
-        linear.gemm_rows.cache_clear()
-        linear.amx_gemm_rows.cache_clear()
+    assert calls == [1, 32, kernel.GEMM_ROWS] + ([] if amx else [kernel.GEMM_ROWS + 1])
 
 
 @pytest.mark.parametrize("m,n,k,span", [(129, 48, 64, 33), (147, 40, 96, 16), (530, 960, 576, 64),
@@ -149,7 +138,7 @@ def test_the_layers_packed_copy_gives_the_same_bits_and_follows_the_weight():
 def test_a_packed_copy_of_another_shape_is_refused():
     w = bf16(70, 64, seed=21)
     with pytest.raises(RuntimeError, match="small_linear: packed"):
-        small_linear(bf16(2, 64, seed=22), w, None, linear.pack_weight(bf16(70, 96, seed=23)))
+        small_linear(bf16(2, 64, seed=22), w, None, kernel.pack_weight(bf16(70, 96, seed=23)))
 
 
 def test_gemm_bits_do_not_depend_on_the_thread_count():
@@ -167,7 +156,7 @@ def test_gemm_bits_do_not_depend_on_the_thread_count():
 
 # The gate|up projection with the activation in the kernel's epilogue (GatedLinear). Where AMX
 # runs these shapes the fused path is not used (gated_usable is False): those tests skip.
-needs_gated = pytest.mark.skipif(not linear.gated_usable(torch.zeros(64, 32, dtype=torch.bfloat16), None),
+needs_gated = pytest.mark.skipif(not kernel.gated_usable(torch.zeros(64, 32, dtype=torch.bfloat16), None),
                                  reason="the gated epilogue runs on the AVX-512 path only (not under AMX)")
 
 
@@ -176,17 +165,17 @@ needs_gated = pytest.mark.skipif(not linear.gated_usable(torch.zeros(64, 32, dty
 @pytest.mark.parametrize("i,k", [(1536, 576), (32, 64), (64, 33), (96, 640)])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_gated_equals_the_product_then_act_and_mul_bitwise(m, i, k, gelu):
-    from engine.layers.activation import act_and_mul
+    from native.activation import act_and_mul
     w = bf16(2 * i, k, seed=20) * 0.1
     x = bf16(m, k, seed=21) * 3
-    want = act_and_mul(small_linear(x, w, None, linear.pack_weight(w)), gelu)
-    got = linear.small_linear_gated(x, linear.pack_gated_weight(w), gelu)
+    want = act_and_mul(small_linear(x, w, None, kernel.pack_weight(w)), gelu)
+    got = kernel.small_linear_gated(x, kernel.pack_gated_weight(w), gelu)
     assert got.shape == (m, i) and torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @needs_gated
 def test_gated_linear_fuses_and_keeps_the_plain_product(monkeypatch):
-    from engine.layers.activation import act_and_mul
+    from native.activation import act_and_mul
     lin = linear.GatedLinear(64, 2 * 96, bias=False).bfloat16()
     with torch.no_grad():
         lin.weight.copy_(bf16(2 * 96, 64, seed=22))
@@ -199,12 +188,10 @@ def test_gated_linear_fuses_and_keeps_the_plain_product(monkeypatch):
     with torch.no_grad():  # the packed copy follows the weight
         lin.weight.mul_(2)
     assert torch.equal(lin.forward_act(x, True), act_and_mul(small_linear(x, lin.weight), True))
-    monkeypatch.setenv("PDSERVE_FUSED_GATED", "0")
-    assert not lin.gated() and torch.equal(lin.forward_act(x, True), act_and_mul(lin(x), True))
 
 
 def test_gated_shapes_it_cannot_take_fall_back():
-    from engine.layers.activation import act_and_mul
+    from native.activation import act_and_mul
     lin = linear.GatedLinear(64, 2 * 40, bias=False).bfloat16()  # I = 40: not a multiple of 32
     with torch.no_grad():
         lin.weight.copy_(bf16(80, 64, seed=24))
@@ -212,26 +199,26 @@ def test_gated_shapes_it_cannot_take_fall_back():
     assert not lin.gated()
     assert torch.equal(lin.forward_act(x, False), act_and_mul(small_linear(x, lin.weight), False))
     with pytest.raises(RuntimeError, match="pack_gated_linear_weight"):
-        linear.pack_gated_weight(lin.weight)
+        kernel.pack_gated_weight(lin.weight)
 
 
 @needs_gated
 def test_gated_bits_do_not_depend_on_the_thread_count():
     w, x = bf16(2 * 1536, 576, seed=26) * 0.1, bf16(300, 576, seed=27)
-    packed = linear.pack_gated_weight(w)
+    packed = kernel.pack_gated_weight(w)
     with_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = linear.small_linear_gated(x, packed, False)
+        one = kernel.small_linear_gated(x, packed, False)
         torch.set_num_threads(max(2, with_threads))
-        assert torch.equal(linear.small_linear_gated(x, packed, False), one)
+        assert torch.equal(kernel.small_linear_gated(x, packed, False), one)
     finally:
         torch.set_num_threads(with_threads)
 
 
 # The AMX GEMM's own copy of a weight (pack_gemm_weight, made at load) and its gated epilogue:
 # only where the GEMM runs (AMX); elsewhere these skip.
-needs_amx_gemm = pytest.mark.skipif(not linear.amx_gemm_rows(), reason="no AMX GEMM on this CPU")
+needs_amx_gemm = pytest.mark.skipif(not kernel.amx_gemm_rows(), reason="no AMX GEMM on this CPU")
 
 
 @needs_amx_gemm
@@ -240,7 +227,7 @@ needs_amx_gemm = pytest.mark.skipif(not linear.amx_gemm_rows(), reason="no AMX G
 def test_the_gemm_copy_gives_the_bits_of_packing_per_call(m, n, k):
     """Blocks of 32 rows, a last block of 16, columns past the last 16 (AVX-512), a bias."""
     x, w, b = bf16(m, k, seed=31), bf16(n, k, seed=32), bf16(n, seed=33)
-    gemm = linear.pack_gemm_weight(w)
+    gemm = kernel.pack_gemm_weight(w)
     assert gemm is not None and gemm.dtype == torch.int32
     want = small_linear(x, w, b)
     assert torch.equal(small_linear(x, w, b, None, gemm), want)
@@ -250,18 +237,18 @@ def test_the_gemm_copy_gives_the_bits_of_packing_per_call(m, n, k):
 
 @needs_amx_gemm
 def test_shapes_the_gemm_cannot_take_have_no_copy_and_a_wrong_copy_is_refused():
-    assert linear.pack_gemm_weight(bf16(64, 40, seed=34)) is None  # K % 32
-    assert linear.pack_gemm_weight(bf16(8, 64, seed=35)) is None  # N < 16
-    assert linear.pack_gemm_weight(bf16(2 * 40, 64, seed=36), True) is None  # I % 16
-    assert linear.pack_gemm_weight(bf16(5000, 2048, seed=37)) is None  # the vocabulary head's size: no GEMM
+    assert kernel.pack_gemm_weight(bf16(64, 40, seed=34)) is None  # K % 32
+    assert kernel.pack_gemm_weight(bf16(8, 64, seed=35)) is None  # N < 16
+    assert kernel.pack_gemm_weight(bf16(2 * 40, 64, seed=36), True) is None  # I % 16
+    assert kernel.pack_gemm_weight(bf16(5000, 2048, seed=37)) is None  # the vocabulary head's size: no GEMM
     w = bf16(64, 64, seed=38)
     with pytest.raises(RuntimeError, match="small_linear: gemm"):
-        small_linear(bf16(200, 64, seed=39), w, None, None, linear.pack_gemm_weight(bf16(64, 96, seed=40)))
+        small_linear(bf16(200, 64, seed=39), w, None, None, kernel.pack_gemm_weight(bf16(64, 96, seed=40)))
     with pytest.raises(RuntimeError, match="gemm"):  # another weight's copy
-        linear.small_linear_gated_amx(bf16(200, 64, seed=39), w, linear.pack_gemm_weight(bf16(96, 64, seed=40), True),
+        kernel.small_linear_gated_amx(bf16(200, 64, seed=39), w, kernel.pack_gemm_weight(bf16(96, 64, seed=40), True),
                                       False)
     with pytest.raises(RuntimeError, match="rows"):
-        linear.small_linear_gated_amx(bf16(8, 64, seed=39), w, linear.pack_gemm_weight(w, True), False)
+        kernel.small_linear_gated_amx(bf16(8, 64, seed=39), w, kernel.pack_gemm_weight(w, True), False)
 
 
 @needs_amx_gemm
@@ -269,31 +256,31 @@ def test_shapes_the_gemm_cannot_take_have_no_copy_and_a_wrong_copy_is_refused():
 @pytest.mark.parametrize("i,k", [(1536, 576), (16, 64), (48, 640)])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_gated_amx_equals_the_product_then_act_and_mul_bitwise(m, i, k, gelu):
-    from engine.layers.activation import act_and_mul
+    from native.activation import act_and_mul
     w = bf16(2 * i, k, seed=41) * 0.1
     x = bf16(m, k, seed=42) * 3
     want = act_and_mul(small_linear(x, w), gelu)
-    got = linear.small_linear_gated_amx(x, w, linear.pack_gemm_weight(w, True), gelu)
+    got = kernel.small_linear_gated_amx(x, w, kernel.pack_gemm_weight(w, True), gelu)
     assert got.shape == (m, i) and torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @needs_amx_gemm
 def test_gated_amx_bits_do_not_depend_on_the_thread_count():
     w, x = bf16(2 * 1536, 576, seed=43) * 0.1, bf16(300, 576, seed=44)
-    gemm = linear.pack_gemm_weight(w, True)
+    gemm = kernel.pack_gemm_weight(w, True)
     with_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = linear.small_linear_gated_amx(x, w, gemm, False)
+        one = kernel.small_linear_gated_amx(x, w, gemm, False)
         torch.set_num_threads(max(2, with_threads))
-        assert torch.equal(linear.small_linear_gated_amx(x, w, gemm, False), one)
+        assert torch.equal(kernel.small_linear_gated_amx(x, w, gemm, False), one)
     finally:
         torch.set_num_threads(with_threads)
 
 
 @needs_amx_gemm
 def test_layers_keep_the_gemm_copy_and_gated_linear_fuses_on_it(monkeypatch):
-    from engine.layers.activation import act_and_mul
+    from native.activation import act_and_mul
     lin = Linear(64, 96, bias=True).to(torch.bfloat16).requires_grad_(False)
     gated = linear.GatedLinear(64, 2 * 96, bias=False).to(torch.bfloat16).requires_grad_(False)
     lin.prepare()
@@ -307,7 +294,7 @@ def test_layers_keep_the_gemm_copy_and_gated_linear_fuses_on_it(monkeypatch):
     assert torch.equal(lin(x), real(x, lin.weight, lin.bias))
     assert seen[-1] is copy
     lin(x[:16].contiguous())  # decode-size batches read the weight itself
-    assert seen[-1] is None and linear.amx_gemm_rows() == 17
+    assert seen[-1] is None and kernel.amx_gemm_rows() == 17
     assert torch.equal(lin(x[:17].contiguous()), real(x[:17].contiguous(), lin.weight, lin.bias)) and seen[-1] is copy
     fused = gated.forward_act(x, False)
     assert torch.equal(fused, act_and_mul(real(x, gated.weight), False))
@@ -315,11 +302,6 @@ def test_layers_keep_the_gemm_copy_and_gated_linear_fuses_on_it(monkeypatch):
     assert seen[-1] is None
     lin.weight.mul_(2)  # changed in place: packed again
     assert lin.gemm_weight() is not copy and torch.equal(lin(x), real(x, lin.weight, lin.bias))
-    monkeypatch.setenv("PDSERVE_GEMM_COPY", "0")
-    assert lin.gemm_weight() is None and torch.equal(lin(x), real(x, lin.weight, lin.bias))
-    monkeypatch.setenv("PDSERVE_GEMM_COPY", "1")
-    monkeypatch.setenv("PDSERVE_FUSED_GATED", "0")  # the fused path off: product, then act_and_mul
-    assert torch.equal(gated.forward_act(x, False), fused)
 
 
 @needs_amx_gemm

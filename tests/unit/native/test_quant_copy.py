@@ -1,6 +1,6 @@
-"""The quant copy (engine/layers/linear.py `pack_quant_weight`): a weight whose 32-weight blocks are
-exactly GGUF Q4_1's or Q8_0's form, rebuilt in the AMX tiles (csrc/amx_rows.cpp) where the CPU has
-AMX, else in the AVX-512 path's registers (csrc/packed_quant.cpp), gives the bf16 weight's bits;
+"""The quant copy (native/linear.py `pack_quant_weight`): a weight whose 32-weight blocks are
+exactly GGUF Q4_1's or Q8_0's form, rebuilt in the AMX tiles (csrc/linear/amx_rows.cpp) where the CPU has
+AMX, else in the AVX-512 path's registers (csrc/linear/packed_quant.cpp), gives the bf16 weight's bits;
 anything else gets no copy."""
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from functools import partial
 import pytest
 import torch
 
-from engine.layers import linear
-from engine.layers.activation import act_and_mul
-from engine.layers.linear import GatedLinear, Linear, small_linear, small_linear_available
+from engine.layers.linear import GatedLinear, Linear
+from native import linear as kernel
+from native.activation import act_and_mul
+from native.linear import small_linear, small_linear_available
 
 pytestmark = pytest.mark.skipif(not small_linear_available(), reason="no AVX512-BF16 kernel on this CPU")
 
@@ -63,7 +64,7 @@ def test_the_quant_copy_gives_the_bits_of_the_bf16_weight(form, bits, n, k, bias
     w32 = form(n, k)
     w = w32.bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
-    q = linear.pack_quant_weight(w32, w)
+    q = kernel.pack_quant_weight(w32, w)
     if _copy_bytes(n, k, bits) is None:
         assert q is None
         return
@@ -82,32 +83,32 @@ def test_the_quant_copy_gives_the_bits_of_the_bf16_weight(form, bits, n, k, bias
 def test_the_gated_quant_copy_gives_the_bits_of_the_gated_product(form, i, k, gelu):
     w32 = form(2 * i, k)
     w = w32.bfloat16()
-    packed = linear.pack_gated_weight(w)
-    q = linear.pack_quant_weight(w32, w, gated=True)
-    assert q is not None and q.numel() == linear.pack_quant_weight(w32, w).numel()
+    packed = kernel.pack_gated_weight(w)
+    q = kernel.pack_quant_weight(w32, w, gated=True)
+    assert q is not None and q.numel() == kernel.pack_quant_weight(w32, w).numel()
     for m in (1, 2, 5, 8, 9):
         x = torch.randn(m, k).bfloat16()
         want = act_and_mul(small_linear(x, w), gelu)
-        assert torch.equal(linear.small_linear_gated(x, packed, gelu, q), want), m
-        assert torch.equal(linear.small_linear_gated(x, packed, gelu), want), m
+        assert torch.equal(kernel.small_linear_gated(x, packed, gelu, q), want), m
+        assert torch.equal(kernel.small_linear_gated(x, packed, gelu), want), m
 
 
 def test_weights_not_in_a_block_form_get_no_quant_copy():
     w32 = _q4_1(64, 64)
     w32[5, 7] += 1e-4  # one weight off its block's grid
-    assert linear.pack_quant_weight(w32, w32.bfloat16()) is None
-    assert linear.pack_quant_weight(torch.randn(64, 64), torch.randn(64, 64).bfloat16()) is None
+    assert kernel.pack_quant_weight(w32, w32.bfloat16()) is None
+    assert kernel.pack_quant_weight(torch.randn(64, 64), torch.randn(64, 64).bfloat16()) is None
     w32 = _q4_1(64, 64)
     w = w32.bfloat16()
     w[0, 0] = w[0, 0] + 1  # a bf16 weight that is not the fp32 values rounded: refused, not trusted
-    assert linear.pack_quant_weight(w32, w) is None
-    assert linear.pack_quant_weight(_q4_1(8, 64), _q4_1(8, 64).bfloat16()) is None  # no full 16 (32) rows
-    assert linear.pack_quant_weight(w32[:, :48].contiguous(), w32[:, :48].bfloat16()) is None  # K % 32
+    assert kernel.pack_quant_weight(w32, w) is None
+    assert kernel.pack_quant_weight(_q4_1(8, 64), _q4_1(8, 64).bfloat16()) is None  # no full 16 (32) rows
+    assert kernel.pack_quant_weight(w32[:, :48].contiguous(), w32[:, :48].bfloat16()) is None  # K % 32
 
 
 def test_a_quant_copy_of_another_shape_is_refused():
     w32 = _q4_1(64, 64)
-    q = linear.pack_quant_weight(w32, w32.bfloat16())
+    q = kernel.pack_quant_weight(w32, w32.bfloat16())
     with pytest.raises(RuntimeError, match="quant"):
         small_linear(torch.randn(2, 64).bfloat16(), _q4_1(32, 64).bfloat16(), None, None, None, q)
 
@@ -120,7 +121,7 @@ def _spy_quant(monkeypatch, op: str, arg: int) -> list[bool]:
     def spy(*a):
         calls.append(a[arg] is not None)
         return real(*a)
-    monkeypatch.setattr(linear.torch.ops.pdserve, op, spy, raising=False)
+    monkeypatch.setattr(torch.ops.pdserve, op, spy, raising=False)
     return calls
 
 
@@ -139,8 +140,6 @@ def test_the_layer_keeps_its_quant_copy_until_the_weight_changes(monkeypatch):
         lin.weight.mul_(2)  # changed in place: the copy no longer matches and is dropped
     assert lin.quant_weight() is None
     assert torch.equal(lin(x), small_linear(x, lin.weight))
-    monkeypatch.setenv("PDSERVE_QUANT_COPY", "0")
-    assert not lin.attach_quant(w32 * 2)
 
 
 def test_the_gated_layer_reads_its_quant_copy_in_decode_batches(monkeypatch):
@@ -160,7 +159,7 @@ def test_the_gated_layer_reads_its_quant_copy_in_decode_batches(monkeypatch):
 def test_quant_copy_bits_do_not_depend_on_the_thread_count():
     w32 = _q4_1(4096, 576, seed=3)  # 64 passes of 4 row blocks (128 chunks of units): the threads split them
     w = w32.bfloat16()
-    q = linear.pack_quant_weight(w32, w)
+    q = kernel.pack_quant_weight(w32, w)
     x = torch.randn(2, 576).bfloat16()  # a decode batch that reads the copy on either path
     threads = torch.get_num_threads()
     try:

@@ -1,5 +1,5 @@
 // small_linear's AVX512-BF16 path (declared in include/packed_linear.h; the op, its checks
-// and the AMX paths are csrc/small_linear.cpp): w packed once per weight (the Linear layer keeps
+// and the AMX paths are csrc/linear/small_linear.cpp): w packed once per weight (the Linear layer keeps
 // the copy) in panels of 64 output columns with k in pairs, wp[p][q][c][j] = w[64 p + c][2 q + j].
 // Per k pair, x's pair is broadcast against four zmm of the panel (vdpbf16ps), 6 x rows x 4 zmm
 // (24 accumulators) per block, 1-3 rows over 2-4 panels at once; no horizontal sums, one

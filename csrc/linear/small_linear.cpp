@@ -15,8 +15,8 @@
 // Two paths, chosen per weight matrix (never per batch):
 //  * AMX (when compiled in, K % 32 == 0, and the kernel grants AMX state): 16 W
 //    rows are one A tile exactly as they lie in memory; x is packed once per call
-//    into the VNNI B tile layout; one TDPBF16PS per 32 k (csrc/amx_rows.cpp; above
-//    kGemmRows rows the GEMM of csrc/amx_gemm.cpp, above kGemmRowsCopy rows where the
+//    into the VNNI B tile layout; one TDPBF16PS per 32 k (csrc/linear/amx_rows.cpp; above
+//    kGemmRows rows the GEMM of csrc/linear/amx_gemm.cpp, above kGemmRowsCopy rows where the
 //    caller passes the weight's GEMM copy). Rows past the last full 16 take the AVX-512 path.
 //    With a block-quantized copy of w (pack_quant_weight: every 32-weight block exactly GGUF
 //    Q4_1's d q + m or Q8_0's d q, found from w's fp32 values at load and checked weight for
@@ -25,7 +25,7 @@
 //    loading it from w: the same tiles, so the same bits, from 5 (Q4_1 with GGUF's fp16 d and m),
 //    6 (d, m not fp16) or 9 bits a weight instead of 16.
 //  * AVX512-BF16 on w packed once per weight (pack_linear_weight; the Linear layer keeps
-//    the copy; csrc/packed_linear.cpp): panels of 64 output columns with k in pairs,
+//    the copy; csrc/linear/packed_linear.cpp): panels of 64 output columns with k in pairs,
 //    x's pairs broadcast against four zmm of a panel (vdpbf16ps), 6 x rows x 4 zmm per
 //    block; no horizontal sums, one sequential read stream per panel. It also runs
 //    prefill chunks on CPUs without AMX.
@@ -70,7 +70,7 @@ using linear::kPanel;
 using linear::pack;
 using linear::run_packed;
 #endif
-// Above this many x rows the AMX GEMM (csrc/amx_gemm.cpp: w packed per block, reused
+// Above this many x rows the AMX GEMM (csrc/linear/amx_gemm.cpp: w packed per block, reused
 // by every row) replaces the streaming path for matrices up to kGemmMaxWeights; both give
 // every row the same bits. Same-process alternation (1 thread): the streaming path is
 // faster up to 64-128 rows (packing costs a pass over w) and at any row count tried (33-256)
@@ -86,7 +86,7 @@ constexpr int64_t kGemmMaxWeights = 8 << 20;
 // passes one (pack_quant_weight): one x tile, so each rebuilt tile is used once.
 constexpr int64_t kQuantRows = 16;
 // Without AMX, up to this many x rows read the AVX-512 path's quant copy (weights rebuilt in
-// registers, csrc/packed_quant.cpp) instead of the packed bf16 weight. AMD Zen 4, SmolLM2's decode
+// registers, csrc/linear/packed_quant.cpp) instead of the packed bf16 weight. AMD Zen 4, SmolLM2's decode
 // step on one thread, alternated: 1 row 13.4-14.5 -> 11.4-12.1 ms, 2 rows 14.4-17.9 -> 13.7-14.2,
 // 3 rows the same (the rebuild, ~7 cycles a zmm, then costs what the reads save).
 constexpr int64_t kQuantRowsAvx = 2;
@@ -242,7 +242,7 @@ at::Tensor small_linear_gated_amx_cpu(const at::Tensor& x, const at::Tensor& w, 
 }
 
 // A block-quantized copy of w (the 16-row AMX tiles rebuilt from it per call where AMX runs, else
-// the AVX-512 path's zmm in registers, csrc/packed_quant.cpp; same bits), made from w's fp32
+// the AVX-512 path's zmm in registers, csrc/linear/packed_quant.cpp; same bits), made from w's fp32
 // values where every 32-weight block is exactly in GGUF Q4_1's form (5 or 6 bits a weight read,
 // d and m as fp16 or fp32) or Q8_0's (9 bits); gated: w is gate|up, the copy small_linear_gated
 // reads (AVX-512 only). An empty tensor where no form holds. uint8, its size tells the form.

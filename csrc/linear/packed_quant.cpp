@@ -1,6 +1,6 @@
 // small_linear's decode batches on CPUs without AMX, read from a block-quantized copy of the
-// weight (declared in include/packed_linear.h; the op is csrc/small_linear.cpp). A decode step
-// streams every weight once: with 16-bit weights the AVX512-BF16 path (csrc/packed_linear.cpp)
+// weight (declared in include/packed_linear.h; the op is csrc/linear/small_linear.cpp). A decode step
+// streams every weight once: with 16-bit weights the AVX512-BF16 path (csrc/linear/packed_linear.cpp)
 // waits on memory. Where every 32-weight block of a weight is exactly GGUF Q4_1's d q + m or
 // Q8_0's d q (quant_blocks.h, found from the fp32 values the bf16 weight was rounded from), this
 // copy holds the blocks in 5, 6 or 9 bits a weight, and the kernel rebuilds each zmm of the

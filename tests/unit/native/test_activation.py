@@ -1,10 +1,10 @@
-"""act_and_mul (csrc/activation.cpp) against the torch ops it replaces: act(gate) * up in bf16."""
+"""act_and_mul (csrc/elementwise/activation.cpp) against the torch ops it replaces: act(gate) * up in bf16."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.layers.activation import act_and_mul, act_and_mul_torch
+from native.activation import act_and_mul, act_and_mul_torch
 
 
 def rand(rows: int, inter: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:

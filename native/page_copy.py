@@ -6,13 +6,12 @@ layer). The device KV cache and the host cache pool (maybe shared memory mapped
 with `torch.frombuffer` / `torch.from_file`) share that per-page layout, so
 offload and reload are `copy_pages(src, dst, src_idx, dst_idx)`.
 
-The kernels are in `csrc/page_copy.cpp` (CPU: threaded memcpy) and
-`csrc/page_copy.cu` (CUDA: a kernel through host-mapped pointers). Both register
+The kernels are in `csrc/page_copy/page_copy.cpp` (CPU: threaded memcpy) and
+`csrc/page_copy/page_copy.cu` (CUDA: a kernel through host-mapped pointers). Both register
 `torch.ops.pdserve.copy_pages`; the dispatcher picks the CUDA kernel when either
-pool is on a CUDA device. The first call JIT-builds the variant this process can
-run (CUDA when `torch.cuda.is_available()`) into
-`$PDSERVE_CACHE_DIR/kernels/<variant>-<hash>`, keyed by a hash of the sources and
-flags so an edit rebuilds; later processes load the cached library.
+pool is on a CUDA device. The first call builds the variant this process can
+run (CUDA when `torch.cuda.is_available()`; native/loader.py). `torch_copy_pages` is the
+plain-torch reference the tests compare with.
 """
 from __future__ import annotations
 
@@ -21,10 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.layers.jit import load_kernel
+from native.loader import load_kernel
 
-_CPU_SOURCES = ("page_copy.cpp",)
-_CUDA_SOURCES = ("page_copy.cpp", "page_copy.cu")
+_CPU_SOURCES = ("page_copy/page_copy.cpp",)
+_CUDA_SOURCES = ("page_copy/page_copy.cpp", "page_copy/page_copy.cu")
 _HEADERS = ("include/page_copy.h",)
 _CFLAGS = ("-O3", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's intra-op pool
 # Beyond this many threads memcpy is bound by memory bandwidth, not cores.
@@ -38,7 +37,7 @@ def _load_ops() -> None:
     """Build (or find cached) and load the kernel library into torch.ops.pdserve."""
     with_cuda = torch.cuda.is_available()
     defines = ["-DPDSERVE_WITH_CUDA"] if with_cuda else []
-    load_kernel("hicache.page_copy", "page_copy_cuda" if with_cuda else "page_copy_cpu",
+    load_kernel("native.page_copy", "page_copy_cuda" if with_cuda else "page_copy_cpu",
                 _CUDA_SOURCES if with_cuda else _CPU_SOURCES, [*_CFLAGS, *defines],
                 headers=_HEADERS, cuda_cflags=["-O3", *defines])
 

@@ -1,12 +1,12 @@
-"""race_sample (csrc/race_sample.cpp): the exponential race in one pass per row."""
+"""race_sample (csrc/sampler/race_sample.cpp): the exponential race in one pass per row."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.race_sample_op import argmax_rows, race_sample, race_sample_available
+from native.sampler import argmax_rows, race_sample, race_sample_available
 
-if not race_sample_available():  # PDSERVE_FUSED_SAMPLER=0
+if not race_sample_available():  # PDSERVE_KERNELS=torch
     pytest.skip("race_sample disabled in this environment", allow_module_level=True)
 
 

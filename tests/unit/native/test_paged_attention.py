@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 
-from engine.layers.paged_attention_op import paged_decode_attention, reference_decode_attention
+from native.paged_attention import paged_decode_attention, reference_decode_attention
 
 TOL = {  # (atol, rtol): fp32 differs from the reference only in summation order
     torch.float32: (1e-5, 1e-5),
@@ -173,7 +173,7 @@ def test_bf16_dot_products_and_fp32_products_both_match_the_reference(head_dim, 
 @pytest.mark.parametrize("tokens", [1, 4, 300, 700])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_write_kv_equals_the_index_puts(tokens, dtype):
-    from engine.layers.paged_attention_op import write_kv
+    from native.paged_attention import write_kv
     g = torch.Generator().manual_seed(tokens)
     pool = torch.randn(64, 3, 2, 16, 3, 64, generator=g).to(dtype)  # [pages, layers, 2, ps, KVH, D]
     want = pool.clone()
@@ -188,7 +188,7 @@ def test_write_kv_equals_the_index_puts(tokens, dtype):
 
 
 def test_write_kv_rejects_an_index_outside_the_pool_before_writing():
-    from engine.layers.paged_attention_op import write_kv
+    from native.paged_attention import write_kv
     pool = torch.zeros(4, 2, 16, 2, 32, dtype=torch.bfloat16)
     k = torch.ones(3, 2, 32, dtype=torch.bfloat16)
     for pages, offs in (([0, 1, 4], [0, 0, 0]), ([0, 1, 2], [0, 16, 0]), ([0, -1, 2], [0, 0, 0])):

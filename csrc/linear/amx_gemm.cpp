@@ -1,5 +1,5 @@
 // bf16 GEMM for many rows (prefill chunks) on the AMX tile unit, called by
-// small_linear (csrc/small_linear.cpp) when M is large:
+// small_linear (csrc/linear/small_linear.cpp) when M is large:
 //
 //   out[m][n] = bf16(sum_k x[m][k] * w[n][k] + bias[n])     (w in nn.Linear's [N, K] layout)
 //

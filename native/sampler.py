@@ -1,20 +1,20 @@
-"""Temperature sampling in one pass per row: loader for `csrc/race_sample.cpp`.
+"""Temperature sampling in one pass per row: loader for `csrc/sampler/race_sample.cpp`.
 
 `race_sample(logits, inv_temp, keys)` returns, per row, argmax_i p_i / q_i with p the
 row's softmax at its temperature and q_i ~ Exp(1) a pure function of (the row's 64-bit
 key, i) (a counter hash on torch.rand's 24-bit float grid): the exponential race the
 torch path in engine/sampler.py runs, without its [B, V] noise tensor and eight passes.
-CPU only; the first call JIT-builds the kernel for this machine. PDSERVE_FUSED_SAMPLER=0
-forces the torch path (for comparison).
+CPU only; the first call builds the kernel (native/loader.py). PDSERVE_KERNELS=torch keeps the
+torch path.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from engine.layers.jit import load_kernel
+from native import torch_only
+from native.loader import load_kernel
 
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
@@ -22,9 +22,9 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 @functools.cache
 def race_sample_available() -> bool:
     """True when the kernel may be used in this process (built on first call, cached)."""
-    if os.environ.get("PDSERVE_FUSED_SAMPLER", "1") == "0":
+    if torch_only():
         return False
-    load_kernel("engine.race_sample_op", "race_sample_cpu", ["race_sample.cpp"], _CFLAGS,
+    load_kernel("native.sampler", "race_sample_cpu", ["sampler/race_sample.cpp"], _CFLAGS,
                 headers=["include/bf16_vec.h", "include/cephes_exp.h"])
     return True
 

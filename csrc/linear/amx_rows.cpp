@@ -1,8 +1,8 @@
 // small_linear's AMX path for decode-size batches (declared in include/amx_gemm.h; large
-// batches take the GEMM in csrc/amx_gemm.cpp): 16 W rows are one A tile exactly as they lie in
+// batches take the GEMM in csrc/linear/amx_gemm.cpp): 16 W rows are one A tile exactly as they lie in
 // memory, x is packed once per call into the VNNI B tile layout (16 columns of x rows,
 // zero-padded), one TDPBF16PS per 32 k. Rows past the last full 16 take the AVX-512 path
-// (csrc/packed_linear.cpp). Numerics: fp32 sums over k in increasing order, bias once, one
+// (csrc/linear/packed_linear.cpp). Numerics: fp32 sums over k in increasing order, bias once, one
 // rounding to bf16, as the other paths.
 #include "amx_gemm.h"
 

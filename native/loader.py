@@ -1,6 +1,6 @@
 """JIT build-and-load of every native library in `csrc/`: the C++ kernels (torch ops), and
-`load_c_module` for a plain CPython extension in C (the router's csrc/sse_fanout.c). Nothing is
-built at import time: each caller builds (or finds cached) on first use.
+`load_c_module` for a plain CPython extension in C (the router's csrc/fanout/sse_fanout.c).
+Nothing is built at import time: each caller builds (or finds cached) on first use.
 
 `load_kernel` builds a source set with torch.utils.cpp_extension into
 `$PDSERVE_CACHE_DIR/kernels/<variant>-<hash>` and loads the library, which registers
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from engine.model_cache import cache_root
+from cluster import settings
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
 
 def check_compiler(who: str) -> None:
@@ -75,7 +75,7 @@ def load_kernel(who: str, variant: str, sources: Sequence[str], cflags: Sequence
         digest.update(b"\0" + part.encode())
     if "-march=native" in cflags:
         digest.update(b"\0" + cpu_id().encode())
-    build_dir = cache_root() / "kernels" / f"{variant}-{digest.hexdigest()[:12]}"
+    build_dir = settings.cache_dir() / "kernels" / f"{variant}-{digest.hexdigest()[:12]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "pdserve.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # released when this process exits, however it exits
@@ -105,7 +105,7 @@ def load_c_module(name: str, source: str, cflags: Sequence[str] = ("-O2",)):
 
     src = CSRC / source
     digest = hashlib.sha256(src.read_bytes() + b"\0" + " ".join(cflags).encode() + b"\0" + sys.version.encode())
-    build_dir = cache_root() / "kernels" / f"{name}-{digest.hexdigest()[:12]}"
+    build_dir = settings.cache_dir() / "kernels" / f"{name}-{digest.hexdigest()[:12]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     path = build_dir / f"{name}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
     with open(build_dir / "pdserve.flock", "w") as held:

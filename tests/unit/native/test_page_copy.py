@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.jit import check_compiler
-from hicache.page_copy import copy_pages, torch_copy_pages
+from native.loader import check_compiler
+from native.page_copy import copy_pages, torch_copy_pages
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -191,7 +191,7 @@ def test_rejects_bad_thread_count_and_device():
 def test_missing_compiler_is_named(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
     with pytest.raises(RuntimeError, match="no-such-c\\+\\+-compiler"):
-        check_compiler("hicache.page_copy")
+        check_compiler("native.page_copy")
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,10 +1,11 @@
-"""rms_norm (csrc/rms_norm.cpp) against the torch formulas it replaces (HF's RMSNorm numerics)."""
+"""rms_norm (csrc/elementwise/rms_norm.cpp) against the torch formulas it replaces (HF's RMSNorm numerics)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.layers.norm import MAX_FP32_ROWS, GemmaRMSNorm, RMSNorm
+from engine.layers.norm import GemmaRMSNorm, RMSNorm
+from native.rms_norm import MAX_FP32_ROWS
 
 
 def make(cls, dim: int, dtype: torch.dtype, seed: int) -> RMSNorm:

@@ -1,0 +1,91 @@
+"""Every PDSERVE_* environment variable the project reads, in one place, typed.
+
+Flags are the interface; these few settings are what a flag cannot carry (a secret kept out of
+`ps`, a directory every process shares, the node a Ray actor put a rank on) or what tests and
+benchmarks set around the processes they start. Code reads them through the functions below,
+never os.environ directly (tests/unit/cluster/test_settings.py checks both that and that
+docs/operations.md's table lists exactly SETTINGS). Each is read when asked, so a test's
+monkeypatch.setenv takes effect.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str
+    what: str
+
+
+CACHE_DIR = Setting("PDSERVE_CACHE_DIR", "~/.cache/pdserve",
+                    "where converted models, tokenizers and built kernels are kept")
+KERNELS = Setting("PDSERVE_KERNELS", "native",
+                  "`torch` runs the torch reference ops in place of the CPU kernels that have one "
+                  "(linear, RMSNorm, activation, rotary, prefill attention, sampler), for parity checks")
+API_KEY = Setting("PDSERVE_API_KEY", "", "the key /v1/* requests must carry (--api-key wins)")
+CLUSTER_SECRET = Setting("PDSERVE_CLUSTER_SECRET", "",
+                         "turns on CURVE on every rank socket (--cluster-secret wins; the launcher passes it "
+                         "to the ranks in their environment)")
+NODE = Setting("PDSERVE_NODE", "the hostname", "the node a rank reports in /health (set by the Ray actor)")
+FAULT = Setting("PDSERVE_FAULT", "", "fault injection for tests: `<rank>:<fault>[:<seconds>],...` "
+                "(rank_runtime/faults.py); never set in production")
+TEST_DEVICE = Setting("PDSERVE_TEST_DEVICE", "cpu", "the device the model tests run on (scripts/gpu_check.sh: cuda)")
+AIPERF_SERVER_METRICS = Setting("PDSERVE_AIPERF_SERVER_METRICS", "0",
+                                "`1` lets aiperf scrape the server's /metrics during a replay (off: it perturbs "
+                                "the run)")
+SETTINGS = (CACHE_DIR, KERNELS, API_KEY, CLUSTER_SECRET, NODE, FAULT, TEST_DEVICE, AIPERF_SERVER_METRICS)
+SECRETS = (API_KEY, CLUSTER_SECRET)  # never logged, hashed or written to a file
+
+
+def _get(s: Setting, environ: Mapping[str, str] | None = None) -> str:
+    return (os.environ if environ is None else environ).get(s.name, "")
+
+
+def cache_dir() -> Path:
+    """Root of the on-disk caches: $PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
+    return Path(_get(CACHE_DIR) or Path.home() / ".cache" / "pdserve")
+
+
+def kernels() -> Literal["native", "torch"]:
+    """Which ops run where both exist: the CPU kernels (default) or torch's. Raises ValueError
+    on another value, so a typo is not a silent comparison run."""
+    v = _get(KERNELS) or "native"
+    if v not in ("native", "torch"):
+        raise ValueError(f"{KERNELS.name} must be 'native' or 'torch', got {v!r}")
+    return v  # type: ignore[return-value]
+
+
+def api_key(environ: Mapping[str, str] | None = None) -> str:
+    return _get(API_KEY, environ)
+
+
+def cluster_secret() -> str:
+    return _get(CLUSTER_SECRET)
+
+
+def node() -> str:
+    """"" when unset (the caller uses the hostname)."""
+    return _get(NODE)
+
+
+def fault_spec() -> str:
+    return _get(FAULT)
+
+
+def device_under_test() -> str:
+    return _get(TEST_DEVICE) or "cpu"
+
+
+def aiperf_server_metrics() -> bool:
+    return _get(AIPERF_SERVER_METRICS) == "1"
+
+
+def packing_identity() -> str:
+    """The settings a CPU rank's packed weights depend on (engine/shared_weights.py hashes it)."""
+    return f"kernels={kernels()}"
