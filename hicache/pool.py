@@ -29,7 +29,7 @@ import torch
 SHM_DIR = Path("/dev/shm")
 _ALIGN = 4096
 # cudaHostRegisterPortable | cudaHostRegisterMapped: visible to every context, and
-# addressable from kernels (hicache/page_copy's CUDA kernel needs the mapping).
+# addressable from kernels (native/page_copy's CUDA kernel needs the mapping).
 _CUDA_REGISTER_FLAGS = 1 | 2
 
 

@@ -9,7 +9,7 @@ PY="${PYTHON:-python3}"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" || exit 1
 # Each part bounded, so a hang in one still leaves the others their time.
 PDSERVE_TEST_DEVICE=cuda timeout "${GPU_CHECK_PYTEST_TIMEOUT:-900}" "$PY" -m pytest -q tests/models tests/unit/engine/test_engine_tiny.py \
-    tests/unit/hicache/test_page_copy.py
+    tests/unit/native/test_page_copy.py
 rc=$?
 timeout "${GPU_CHECK_BENCH_TIMEOUT:-900}" "$PY" bench/bench_engine.py --device cuda --reps 2
 exit $rc
