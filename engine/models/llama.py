@@ -171,7 +171,7 @@ class LlamaDecodePlan:
         h, kvh, d = self.h, self.kvh, self.d
         qk, hook = (h + kvh) * d, model.between_layers
         wp, wo, pages, ctx = fb.write_page, fb.write_off, fb.dec_pages, fb.dec_ctx
-        b, prefills = fb.num_decode, fb.prefills
+        prefills = fb.prefills
         # as DecoderLM.forward: past its attention the last layer runs only the sampled rows
         # (a one-layer model cuts after it)
         idx, last = fb.logits_indices, len(self.layers) - 1
