@@ -91,7 +91,10 @@ class NixlBackend(TransferBackend):
     process that only reads must not have it: the thread wakes during a read and spins on the
     UCX worker lock that the read thread holds while the kernel copies, which burns a core
     and halved CMA throughput here. `progress_delay_us` bounds how long the thread sleeps when
-    no event wakes it.
+    no event wakes it: each bound reached is a wake-up, so 2 ms made an idle prefill rank wake
+    ~500 times a second and preempt whatever ran on its core (20 ms: a tenth of the wake-ups;
+    the first read, which needs the owner's worker, still completed in 0.2-0.3 ms: an event
+    woke it. docs/results/mission.md run 3 has the measurement).
 
     Reads up to `sync_bytes` run inline when the read thread is idle (see `TransferBackend`;
     inline while it copies would only wait for UCX's worker lock). A read still in progress
@@ -102,7 +105,7 @@ class NixlBackend(TransferBackend):
 
     kind: ClassVar[str] = "nixl"
 
-    def __init__(self, agent_name: str, *, progress_thread: bool = True, progress_delay_us: int = 2000,
+    def __init__(self, agent_name: str, *, progress_thread: bool = True, progress_delay_us: int = 20_000,
                  num_workers: int = 1, read_timeout_s: float = 30.0, sync_bytes: int = 4 << 20) -> None:
         super().__init__(sync_bytes=sync_bytes)
         nixl = load_nixl()
