@@ -94,7 +94,7 @@ class NixlBackend(TransferBackend):
     no event wakes it: each bound reached is a wake-up, so 2 ms made an idle prefill rank wake
     ~500 times a second and preempt whatever ran on its core (20 ms: a tenth of the wake-ups;
     the first read, which needs the owner's worker, still completed in 0.2-0.3 ms: an event
-    woke it. docs/results/mission.md run 3 has the measurement).
+    woke it. docs/results/mission.md run 4 has the measurement).
 
     Reads up to `sync_bytes` run inline when the read thread is idle (see `TransferBackend`;
     inline while it copies would only wait for UCX's worker lock). A read still in progress
