@@ -38,10 +38,6 @@ HANDSHAKE_FAILED = frozenset({zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HA
                               zmq.EVENT_HANDSHAKE_FAILED_AUTH})
 
 
-def cluster_secret_from_env() -> str:
-    return settings.cluster_secret()
-
-
 @dataclass(frozen=True)
 class CurveKeys:
     public: bytes  # z85, 40 bytes

@@ -40,7 +40,6 @@ AIPERF_SERVER_METRICS = Setting("PDSERVE_AIPERF_SERVER_METRICS", "0",
                                 "`1` lets aiperf scrape the server's /metrics during a replay (off: it perturbs "
                                 "the run)")
 SETTINGS = (CACHE_DIR, KERNELS, API_KEY, CLUSTER_SECRET, NODE, FAULT, TEST_DEVICE, AIPERF_SERVER_METRICS)
-SECRETS = (API_KEY, CLUSTER_SECRET)  # never logged, hashed or written to a file
 
 
 def _get(s: Setting, environ: Mapping[str, str] | None = None) -> str:

@@ -10,18 +10,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from native import torch_only
-from native.loader import load_kernel
+from native import build
 
 
 @functools.cache
 def fused_act_available() -> bool:
-    if torch_only():
-        return False
-    load_kernel("native.activation", "activation_cpu", ["elementwise/activation.cpp"],
-                ("-O3", "-march=native", "-fopenmp"),
-                headers=["include/act_vec.h", "include/bf16_vec.h", "include/cephes_exp.h"])
-    return True
+    return build("native.activation", "activation_cpu", ["elementwise/activation.cpp"],
+                 ["include/act_vec.h", "include/bf16_vec.h", "include/cephes_exp.h"])
 
 
 def act_and_mul_torch(x: torch.Tensor, gelu: bool) -> torch.Tensor:

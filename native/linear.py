@@ -19,8 +19,7 @@ import sys
 
 import torch
 
-from native import torch_only
-from native.loader import load_kernel
+from native import build
 
 # Rows up to which the kernel is used where the CPU has AMX: decode batches and prefill chunks
 # (larger inputs take torch's GEMM, oneDNN, faster there). Its bits do not depend on the thread
@@ -28,21 +27,16 @@ from native.loader import load_kernel
 GEMM_ROWS = 1024
 # Without AMX the packed AVX512-BF16 kernel takes inputs of any row count.
 ALL_ROWS = sys.maxsize
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
 @functools.cache
 def small_linear_available() -> bool:
     """True when the kernel is built and this CPU runs it (cached per process)."""
-    if torch_only():
-        return False
-    load_kernel("native.linear", "small_linear_cpu",
-                [f"linear/{f}.cpp" for f in ("small_linear", "packed_linear", "packed_quant", "amx_rows", "amx_gemm")],
-                _CFLAGS,
-                headers=["include/act_vec.h", "include/amx_tiles.h", "include/amx_gemm.h", "include/bf16_vec.h",
-                         "include/cephes_exp.h", "include/dynamic_for.h", "include/packed_linear.h",
-                         "include/quant_blocks.h", "include/transpose16.h"])
-    return bool(torch.ops.pdserve.small_linear_supported())
+    return build("native.linear", "small_linear_cpu",
+                 [f"linear/{f}.cpp" for f in ("small_linear", "packed_linear", "packed_quant", "amx_rows", "amx_gemm")],
+                 [f"include/{h}.h" for h in ("act_vec", "amx_tiles", "amx_gemm", "bf16_vec", "cephes_exp", "dynamic_for",
+                                             "packed_linear", "quant_blocks", "transpose16")]
+                 ) and bool(torch.ops.pdserve.small_linear_supported())
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -139,5 +133,5 @@ def gemm_rows() -> int:
 
 def invariant_rows() -> int:
     """Inputs up to this many rows give every row the same bits at any thread count and in any
-    batch (the kernel's paths); 0 when the kernel is not used here (torch's GEMM is not)."""
-    return gemm_rows() if small_linear_available() else 0
+    batch (the kernel's paths): gemm_rows(), 0 when the kernel is not used here (torch's GEMM is not)."""
+    return gemm_rows()

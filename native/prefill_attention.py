@@ -14,19 +14,15 @@ import functools
 
 import torch
 
-from native import torch_only
-from native.loader import load_kernel
+from native import build
 
 
 @functools.cache
 def prefill_attention_available() -> bool:
     """True when the kernel is built and this CPU runs it (cached per process)."""
-    if torch_only():
-        return False
-    load_kernel("native.prefill_attention", "prefill_attention_cpu", ["attention/prefill_attention.cpp"],
-                ("-O3", "-march=native", "-fopenmp"),
-                headers=["include/amx_tiles.h", "include/bf16_vec.h", "include/cephes_exp.h", "include/transpose16.h"])
-    return bool(torch.ops.pdserve.prefill_attention_supported())
+    return build("native.prefill_attention", "prefill_attention_cpu", ["attention/prefill_attention.cpp"],
+                 ["include/amx_tiles.h", "include/bf16_vec.h", "include/cephes_exp.h", "include/transpose16.h"]
+                 ) and bool(torch.ops.pdserve.prefill_attention_supported())
 
 
 def usable(q: torch.Tensor) -> bool:

@@ -9,8 +9,7 @@ import functools
 
 import torch
 
-from native import torch_only
-from native.loader import load_kernel
+from native import build
 
 # fp32 rows up to which the kernel runs (decode steps): its fp32 path is one scalar pass
 # per row, slower than torch's vectorised ops for prefill chunks. bf16 rows are vectorised
@@ -21,11 +20,7 @@ MAX_FP32_ROWS = 64
 @functools.cache
 def available() -> bool:
     """The kernel is built and allowed (not PDSERVE_KERNELS=torch)."""
-    if torch_only():
-        return False
-    load_kernel("native.rms_norm", "rms_norm_cpu", ["elementwise/rms_norm.cpp"], ("-O3", "-march=native", "-fopenmp"),
-                headers=["include/bf16_vec.h"])
-    return True
+    return build("native.rms_norm", "rms_norm_cpu", ["elementwise/rms_norm.cpp"], ["include/bf16_vec.h"])
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

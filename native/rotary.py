@@ -6,18 +6,13 @@ import functools
 
 import torch
 
-from native import torch_only
-from native.loader import load_kernel
+from native import build
 
 
 @functools.cache
 def fused_rotary_available() -> bool:
     """The kernel is built and allowed (not PDSERVE_KERNELS=torch)."""
-    if torch_only():
-        return False
-    load_kernel("native.rotary", "rotary_cpu", ["elementwise/rotary.cpp"], ("-O3", "-march=native", "-fopenmp"),
-                headers=["include/bf16_vec.h"])
-    return True
+    return build("native.rotary", "rotary_cpu", ["elementwise/rotary.cpp"], ["include/bf16_vec.h"])
 
 
 def usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

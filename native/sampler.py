@@ -13,20 +13,14 @@ import functools
 
 import torch
 
-from native import torch_only
-from native.loader import load_kernel
-
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+from native import build
 
 
 @functools.cache
 def race_sample_available() -> bool:
     """True when the kernel may be used in this process (built on first call, cached)."""
-    if torch_only():
-        return False
-    load_kernel("native.sampler", "race_sample_cpu", ["sampler/race_sample.cpp"], _CFLAGS,
-                headers=["include/bf16_vec.h", "include/cephes_exp.h"])
-    return True
+    return build("native.sampler", "race_sample_cpu", ["sampler/race_sample.cpp"],
+                 ["include/bf16_vec.h", "include/cephes_exp.h"])
 
 
 def race_sample(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,8 @@ import tempfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from cluster.auth import SECRET_ENV, cluster_secret_from_env
+from cluster import settings
+from cluster.auth import SECRET_ENV
 from cluster.cli_args import add_dataclass_args, from_args, opt
 from pd_server.config import RouterConfig
 from rank_runtime.config import HandoffConfig
@@ -330,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USAGE
-    if not launch.cluster_secret and cluster_secret_from_env():
-        launch = replace(launch, cluster_secret=cluster_secret_from_env())
+    if not launch.cluster_secret and settings.cluster_secret():
+        launch = replace(launch, cluster_secret=settings.cluster_secret())
     if launch.cluster_secret:
         os.environ[SECRET_ENV] = launch.cluster_secret  # the ranks' environment, not their argv
     elif not cfg.rank_addr.startswith(("ipc://", "tcp://127.")):

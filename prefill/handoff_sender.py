@@ -42,8 +42,8 @@ import torch
 from cluster.protocol.prefill_decode import PAGES_REGION, STATES_REGION
 from engine.kv_cache import KVPool
 from engine.sequence import Sequence
-from native.page_copy import copy_pages
 from hicache.pool import HostPool, HostPoolLayout
+from native.page_copy import copy_pages
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cluster.auth import cluster_secret_from_env
+from cluster import settings
 from cluster.cli_args import opt
 from cluster.protocol import ROLES, Role
 
@@ -62,7 +62,7 @@ class RankConfig:
     @property
     def secret(self) -> str:
         """The cluster secret in force: the flag, else the environment ("": none)."""
-        return self.cluster_secret or cluster_secret_from_env()
+        return self.cluster_secret or settings.cluster_secret()
 
 
 @dataclass(frozen=True)
