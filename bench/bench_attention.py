@@ -1,9 +1,11 @@
 """Decode attention: the paged CPU kernel next to the torch path the engine decodes with today.
 
     .venv/bin/python bench/bench_attention.py [--batches 1 8 32 64] [--ctx 512 2048 8192] [--reps 7] [--threads N]
+        [--dtype bfloat16|float32]
 
 For each model shape, batch size B and context length (every sequence at that
-length) it times one layer's decode attention over a bf16 pool laid out like the
+length) it times one layer's decode attention over a bf16 (or --dtype float32: the pool of
+models that compute in float32, CPUs without AVX512-BF16) pool laid out like the
 engine's (`[pages, layers, 2, page_size, KVH, D]`, layer view `pool[:, 0]`, pages
 shuffled) and prints the median of --reps runs:
   kernel  native.paged_attention.paged_decode_attention
@@ -54,16 +56,17 @@ def median_ms(fn: Callable[[], torch.Tensor], reps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def bench_row(h: int, kvh: int, d: int, batch: int, ctx: int, reps: int) -> tuple[float, float, float]:
+def bench_row(h: int, kvh: int, d: int, batch: int, ctx: int, reps: int,
+              dtype: torch.dtype = torch.bfloat16) -> tuple[float, float, float]:
     gen = torch.Generator().manual_seed(batch * 100_003 + ctx)
     per_seq = -(-ctx // PAGE_SIZE)
     num_pages = batch * per_seq + 1
-    pool = torch.randn(num_pages, NUM_LAYERS, 2, PAGE_SIZE, kvh, d, generator=gen).to(torch.bfloat16)
+    pool = torch.randn(num_pages, NUM_LAYERS, 2, PAGE_SIZE, kvh, d, generator=gen).to(dtype)
     layer = pool[:, 0]  # [P, 2, ps, KVH, D], strided across pages
     pages = torch.randperm(num_pages, generator=gen)[: batch * per_seq].view(batch, per_seq)
     ctx_lens = torch.full((batch,), ctx, dtype=torch.long)
     mask = (torch.arange(per_seq * PAGE_SIZE) < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-    q = torch.randn(batch, h, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(batch, h, d, generator=gen).to(dtype)
     scale = d ** -0.5
     kernel = median_ms(lambda: paged_decode_attention(q, layer, pages, ctx_lens, scale), reps)
     ref = median_ms(lambda: torch_decode(q, layer, pages, mask, scale), reps)
@@ -79,10 +82,12 @@ def main() -> None:
     ap.add_argument("--ctx", nargs="+", type=int, default=[512, 2048, 8192])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="q and K/V pool dtype")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, page_size {PAGE_SIZE}, "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, page_size {PAGE_SIZE}, "
           f"median of {args.reps}")
     print("| model | H/KVH/D | B | ctx | kernel ms | torch ms | speed-up | max abs diff |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -90,7 +95,7 @@ def main() -> None:
         h, kvh, d = MODELS[name]
         for batch in args.batches:
             for ctx in args.ctx:
-                kernel, ref, diff = bench_row(h, kvh, d, batch, ctx, args.reps)
+                kernel, ref, diff = bench_row(h, kvh, d, batch, ctx, args.reps, dtype)
                 print(f"| {name} | {h}/{kvh}/{d} | {batch} | {ctx} | {kernel:.3f} | {ref:.3f} | "
                       f"{ref / kernel:.1f}x | {diff:.1e} |", flush=True)
 

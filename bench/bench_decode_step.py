@@ -3,15 +3,18 @@
     .venv/bin/python bench/bench_decode_step.py [--model smollm2-135m-instruct] [--batches 1 4 16]
         [--ctx 540] [--threads 1] [--rounds 2]
 
-Where the checkpoint is a GGUF model's and the CPU has AMX, decode batches of up to 16 rows read
-each weight's block-quantized copy (Q4_1 / Q8_0 blocks, exact) and rebuild the bf16 tiles in
-L1 (native/linear.py); the other side makes no quant copies and reads the bf16 weights. Each side
+Where the checkpoint is a GGUF model's, decode batches read each weight's block-quantized copy
+(Q4_1 / Q8_0 blocks, exact) and rebuild the weights in registers: the bf16 kernels of
+native/linear.py (AMX, AVX512-BF16), or native/quant_linear.py's fp32 kernel where the model
+computes in float32 (CPUs without AVX512-BF16); the other side makes no quant copies and reads
+the bf16 (or fp32) weights. Each side
 runs in its own subprocess (its own load, its own caches), the two alternating which goes first
 for --rounds rounds: on a shared VM the machine's speed drifts within minutes. A side adds B
 requests of --ctx random prompt tokens, steps the engine until they finish (40 new tokens each),
 and reports the median of its last 30 steps (decode only). The table gives each side's median
 over the rounds and the median of the per-round ratios (quant / bf16). The two sides' greedy
-tokens are compared too (they must be the same: the copies rebuild the same bf16 values).
+tokens are compared too (bf16: they must be the same, the copies rebuild the same values and sum
+them in the same order; fp32: the kernel's order is not torch's, so a near tie may differ).
 """
 from __future__ import annotations
 
@@ -74,7 +77,7 @@ def main() -> None:
     if args.child:
         if args.no_quant:  # the layers make no quant copy (the loader's attach_quant finds none)
             import engine.layers.linear as layers
-            layers.pack_quant_weight = lambda *a, **k: None
+            layers.pack_quant_weight = layers.pack_quant_f32 = lambda *a, **k: None
         print(json.dumps(run_side(args.model, args.batches, args.ctx, args.threads)))
         return
     got = []

@@ -1,6 +1,7 @@
 """nn.Linear whose bf16 CPU inputs run native/linear.py's kernels (decode steps and prefill
 chunks), with the weight's copies the kernels read made once at model load (`prepare`) and
-remade when the weight is replaced or changed in place; anything else runs torch's linear.
+remade when the weight is replaced or changed in place; fp32 CPU decode batches of a GGUF model's
+weights run native/quant_linear.py's kernel on their quant copy; anything else runs torch's linear.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from native.activation import act_and_mul
 from native.linear import (amx_gemm_rows, gated_usable, gemm_rows, pack_gated_weight, pack_gemm_weight,
                            pack_quant_weight, pack_weight, small_linear, small_linear_available, small_linear_gated,
                            small_linear_gated_amx)
+from native.quant_linear import QUANT_F32_ROWS, pack_quant_f32, quant_linear_f32
 
 
 class Linear(nn.Linear):
@@ -25,12 +27,18 @@ class Linear(nn.Linear):
     _quant: tuple[tuple, torch.Tensor] | None = None  # (Linear.packed_key(), the block-quantized copy)
 
     def attach_quant(self, w32: torch.Tensor) -> bool:
-        """Make the quant copy (pack_quant_weight) from the fp32 values the bf16 weight was
-        rounded from (the loader's, at model load); True where one was made."""
+        """Make the quant copy from the fp32 values the weight was made from (the loader's, at
+        model load): pack_quant_weight for a bf16 weight, pack_quant_f32 for an fp32 one; True
+        where one was made."""
         w = self.weight
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous():
+        if w.device.type != "cpu" or not w.is_contiguous():
             return False
-        q = pack_quant_weight(w32, w, isinstance(self, GatedLinear) and self.gated())
+        if w.dtype == torch.float32:
+            q = pack_quant_f32(w) if torch.equal(w32, w) else None
+        elif w.dtype == torch.bfloat16:
+            q = pack_quant_weight(w32, w, isinstance(self, GatedLinear) and self.gated())
+        else:
+            return False
         self._quant = None if q is None else (Linear.packed_key(self), q)
         return q is not None
 
@@ -85,6 +93,9 @@ class Linear(nn.Linear):
             if x.shape[0] >= amx_gemm_rows() > 0 and not self._gemm_gated:
                 gemm = self.gemm_weight()
             return small_linear(x.contiguous(), w, self.bias, self.packed_weight(), gemm, self.quant_weight())
+        if (w.dtype == torch.float32 and x.dim() == 2 and x.dtype == w.dtype and x.shape[0] <= QUANT_F32_ROWS
+                and (q := self.quant_weight()) is not None):
+            return quant_linear_f32(x.contiguous(), q, self.bias)
         return F.linear(x, w, self.bias)
 
 

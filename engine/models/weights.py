@@ -80,8 +80,8 @@ class WeightLoader:
             new = nn.Parameter(tensor.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
             _set_param(model, name, new)
             mod_path, _, leaf = name.rpartition(".")
-            if leaf == "weight" and tensor.dtype == torch.float32 and dtype == torch.bfloat16:
-                # a checkpoint dequantized from GGUF: its Q4_1 / Q8_0 blocks, exact, for the decode kernel
+            if leaf == "weight" and tensor.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float32):
+                # a checkpoint dequantized from GGUF: its Q4_1 / Q8_0 blocks, exact, for the decode kernels
                 mod = model.get_submodule(mod_path)
                 if isinstance(mod, Linear):
                     t0 = time.perf_counter()
