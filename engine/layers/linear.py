@@ -13,7 +13,7 @@ from native.activation import act_and_mul
 from native.linear import (amx_gemm_rows, gated_usable, gemm_rows, pack_gated_weight, pack_gemm_weight,
                            pack_quant_weight, pack_weight, small_linear, small_linear_available, small_linear_gated,
                            small_linear_gated_amx)
-from native.quant_linear import QUANT_F32_ROWS, pack_quant_f32, quant_linear_f32
+from native.quant_linear import QUANT_F32_ROWS, pack_quant_f32, quant_f32_available, quant_linear_f32
 
 
 class Linear(nn.Linear):
@@ -94,7 +94,8 @@ class Linear(nn.Linear):
                 gemm = self.gemm_weight()
             return small_linear(x.contiguous(), w, self.bias, self.packed_weight(), gemm, self.quant_weight())
         if (w.dtype == torch.float32 and x.dim() == 2 and x.dtype == w.dtype and x.shape[0] <= QUANT_F32_ROWS
-                and (q := self.quant_weight()) is not None):
+                and (q := self.quant_weight()) is not None and quant_f32_available()):  # loads the op: the copy
+            # may come from the launch's shared weight file, not from this process
             return quant_linear_f32(x.contiguous(), q, self.bias)
         return F.linear(x, w, self.bias)
 
