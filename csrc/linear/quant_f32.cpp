@@ -122,6 +122,8 @@ at::Tensor pack(const at::Tensor& w32) {
 #ifdef PDSERVE_QF32
 
 // Rows [0, MR) of x against NV consecutive units starting at unit u: out[r][8 (u + v) + c].
+// Every loop over the accumulator arrays carries `#pragma GCC unroll`: without it GCC 12 kept them
+// in memory, a store per FMA (SmolLM2's linears at 4 rows 35.6 -> 20.3 ms with it).
 template <int Kind, int MR, int NV>
 void pass(const float* x, int64_t ldx, const uint8_t* q, int64_t blocks, const float* bias, float* out,
           int64_t ldo, int64_t u) {
