@@ -27,14 +27,14 @@ class Linear(nn.Linear):
     _quant: tuple[tuple, torch.Tensor] | None = None  # (Linear.packed_key(), the block-quantized copy)
 
     def attach_quant(self, w32: torch.Tensor) -> bool:
-        """Make the quant copy from the fp32 values the weight was made from (the loader's, at
-        model load): pack_quant_weight for a bf16 weight, pack_quant_f32 for an fp32 one; True
-        where one was made."""
+        """Make the quant copy at model load: for a bf16 weight from the fp32 values it was rounded
+        from (the loader's `w32`, pack_quant_weight); an fp32 weight is its own values
+        (pack_quant_f32, which checks every weight against its block). True where one was made."""
         w = self.weight
         if w.device.type != "cpu" or not w.is_contiguous():
             return False
         if w.dtype == torch.float32:
-            q = pack_quant_f32(w) if torch.equal(w32, w) else None
+            q = pack_quant_f32(w)
         elif w.dtype == torch.bfloat16:
             q = pack_quant_weight(w32, w, isinstance(self, GatedLinear) and self.gated())
         else:
