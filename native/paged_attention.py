@@ -24,7 +24,7 @@ def _load_ops() -> None:
     """Build (or find cached) and load the kernel into torch.ops.pdserve."""
     load_kernel("native.paged_attention", "paged_attention_cpu", ["attention/paged_attention.cpp"], _CFLAGS,
                 headers=["include/cephes_exp.h", "include/bf16_vec.h", "include/lane_pairs.h",
-                         "include/paged_attention_item.h"])
+                         "include/paged_attention_item.h", "include/paged_attention_avx2.h"])
 
 
 def paged_decode_attention(q: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,

@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "paged_attention_item.h"
+#include "paged_attention_avx2.h"
 
 namespace pdserve {
 namespace {
@@ -119,6 +120,9 @@ void run(const Problem& p, int64_t batch, at::Tensor& out) {
                  : D == 128 ? &attend_chunk<T, 8>
                  : D == 256 ? &attend_chunk<T, 16>
                             : &attend_chunk<T, 0>;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) attend = &attend_chunk_f32_avx2;  // 16 ymm registers
+#endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {  // bf16 K/V: vdpbf16ps products
     if (g_bf16_dots.load(std::memory_order_relaxed)) {
