@@ -51,7 +51,8 @@ class _EngineProbe:
         from engine.sampling_params import SamplingParams
         from hicache.cache import HostCache
 
-        page = KVPool.bytes_per_page(ModelConfig.from_hf_dir(cached_model_dir(model)), 16, torch.bfloat16)
+        # float32: the wider of the dtypes `--dtype auto` picks (CPUs without AVX512-BF16 compute in it)
+        page = KVPool.bytes_per_page(ModelConfig.from_hf_dir(cached_model_dir(model)), 16, torch.float32)
         need = (max_batch * -(-max_ctx // 16) + 64) * page  # the decode grid's pages, and some
         self.cfg = EngineConfig(model=model, kv_cache_gb=max(0.25, need / 2**30),
                                 max_num_seqs=max_batch + 2, max_num_batched_tokens=max_new,
