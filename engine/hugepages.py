@@ -12,6 +12,7 @@ off (shmem_enabled "never"; not "deny").
     empty_like_all(ts)    tensors like ts side by side in one huge-page buffer (private packed weights)
     map_readonly(fd, n)   a read-only shared mapping of a file's first n bytes, 2 MB-aligned
                           and collapsed (the shared weights); None where it cannot be made
+    populate_write(t)     fault in the pages under a mapped tensor in one call (the host cache)
 
 All three return memory whose mapping lives as long as the last tensor viewing it (a ctypes
 array over the mapping, unmapped by a weakref finalizer; not at exit). Best effort: elsewhere
@@ -28,6 +29,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
 import os
 import sys
 import weakref
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 HUGE = 2 << 20
 _PROT_NONE, _PROT_READ, _PROT_RW = 0, 1, 3
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
-_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
+_MADV_HUGEPAGE, _MADV_COLLAPSE, _MADV_POPULATE_WRITE = 14, 25, 23
 _FAILED = ctypes.c_void_p(-1).value
 
 
@@ -59,6 +61,20 @@ def _libc():
         return libc
     except (OSError, AttributeError):
         return None
+
+
+def populate_write(t: torch.Tensor) -> bool:
+    """Fault in every page of the mapping under `t` (contiguous, page-aligned start) writable, in
+    one madvise(MADV_POPULATE_WRITE) (Linux 5.14+) instead of a write to each page; False where
+    it cannot (not Linux, an older kernel, an unaligned start): the caller touches the pages."""
+    libc = _libc() if sys.platform == "linux" else None
+    a, n = t.data_ptr(), t.numel() * t.element_size()
+    if libc is None or n == 0 or a % mmap.PAGESIZE:
+        return False
+    if libc.madvise(a, n, _MADV_POPULATE_WRITE) != 0:
+        log.debug("MADV_POPULATE_WRITE refused (errno %d)", ctypes.get_errno())
+        return False
+    return True
 
 
 def _round_up(n: int) -> int:

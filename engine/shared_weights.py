@@ -41,6 +41,7 @@ import mmap
 import os
 import platform
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ class SharedWeights:
 
 def weights_identity(model_dir: str | Path, dtype: str) -> str:
     """What a CPU rank's loaded and packed weights are a function of, as one string of digests:
-    the name and SHA-1 of every file of `model_dir` (0.4 s for SmolLM2's 538 MB here), the dtype,
+    the name and SHA-1 of every file of `model_dir` (0.4 s for SmolLM2's 538 MB here; kept by path and stat: `_file_sha1`), the dtype,
     the engine's Python and kernel sources, the torch and safetensors versions, the CPU's model
     and features (which kernel paths, so which packed layouts) and PDSERVE_KERNELS (whether
     copies are made). Raises OSError where the checkpoint cannot be read."""
@@ -87,9 +88,40 @@ def weights_identity(model_dir: str | Path, dtype: str) -> str:
              f"cpu {_cpu_digest()}", f"env {_env_digest()}"]
     for f in sorted(Path(model_dir).iterdir()):
         if f.is_file():
-            with open(f, "rb") as fh:
-                parts.append(f"file {f.name} {hashlib.file_digest(fh, 'sha1').hexdigest()}")
+            parts.append(f"file {f.name} {_file_sha1(f)}")
     return "\n".join(parts)
+
+
+# A file's SHA-1 is kept in $PDSERVE_CACHE_DIR/digests/ under its path and stat (device, inode,
+# size, mtime in ns): every rank of a launch hashed the same checkpoint (1.5-2 s each with 4 ranks
+# on 2 cores). A file modified less than DIGEST_SETTLE_S before it was hashed is not kept: its
+# mtime could repeat for a second write in the same clock tick (git's "racily clean" entries).
+DIGEST_SETTLE_S = 2.0
+
+
+def _file_sha1(f: Path) -> str:
+    from cluster.settings import cache_dir
+
+    st = f.stat()
+    stamp = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    entry = cache_dir() / "digests" / hashlib.sha1(str(f.resolve()).encode()).hexdigest()
+    try:
+        kept_stamp, digest = entry.read_text().split()
+        if kept_stamp == stamp:
+            return digest
+    except (OSError, ValueError):
+        pass
+    with open(f, "rb") as fh:
+        digest = hashlib.file_digest(fh, "sha1").hexdigest()
+    if time.time() - st.st_mtime_ns / 1e9 > DIGEST_SETTLE_S and f.stat().st_mtime_ns == st.st_mtime_ns:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(f"{stamp} {digest}\n")
+            tmp.replace(entry)
+        except OSError:
+            pass  # a cache that cannot be written: hash again next time
+    return digest
 
 
 @functools.cache
@@ -276,11 +308,11 @@ def share_weights(model: nn.Module, directory: str | Path, identity: str,
         lock = None
     got = None
     if lock is not None:
+        found = False
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if path.exists():
-                got = _open(path, model, created=False, identity=identity)
-            else:
+            found = path.exists()  # whole: written under a temporary name, then renamed
+            if not found:
                 if not loaded:
                     load()
                     loaded = True
@@ -289,6 +321,13 @@ def share_weights(model: nn.Module, directory: str | Path, identity: str,
             log.warning("shared weights: cannot use %s (%s); this rank keeps its own copy", path, e)
         finally:
             os.close(lock)  # releases the lock
+        try:
+            # Readers check and map the file after the lock: in turn, the last of 3 waited for the
+            # others' digests (0.4-0.9 s each with 4 ranks on 2 cores).
+            if found:
+                got = _open(path, model, created=False, identity=identity)
+        except OSError as e:
+            log.warning("shared weights: cannot use %s (%s); this rank keeps its own copy", path, e)
     if got is None and not loaded:
         load()
     return got

@@ -194,3 +194,33 @@ def test_the_engines_kv_pool_is_on_huge_pages(tiny_model_dir):
         assert hugepages.huge_bytes(full) >= 8 << 20
     finally:
         eng.close()
+
+
+def _resident_kb(addr: int) -> int:
+    """Rss of the mapping holding `addr` (/proc/self/smaps), in kB."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= addr < hi
+            elif inside and head[0] == "Rss:":
+                return int(head[1])
+    raise AssertionError(f"{addr:#x} is not mapped")
+
+
+@pytest.mark.skipif(not (hugepages.enabled() and _kernel_at_least(5, 14)), reason="no MADV_POPULATE_WRITE here")
+def test_populate_write_faults_in_a_shared_file_mapping_and_keeps_its_bytes(tmp_path):
+    # The host cache's pool (hicache/pool.py): a fallocated /dev/shm-like file mapped shared.
+    f = tmp_path / "pool.bin"
+    with open(f, "wb") as fh:
+        fh.truncate(8 << 20)
+    raw = torch.from_file(str(f), shared=True, size=8 << 20, dtype=torch.uint8)
+    assert _resident_kb(raw.data_ptr()) < 8 << 10
+    assert hugepages.populate_write(raw)
+    assert _resident_kb(raw.data_ptr()) >= 8 << 10
+    assert not raw.any()
+    raw[5] = 7
+    assert f.read_bytes()[5] == 7
+    assert not hugepages.populate_write(raw[1:])  # an unaligned start: the caller touches the pages

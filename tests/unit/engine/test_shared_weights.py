@@ -364,3 +364,28 @@ def test_an_engine_that_finds_the_file_does_not_read_the_checkpoint(tiny_model_d
     finally:
         first.close()
         second.close()
+
+
+def test_checkpoint_digests_are_kept_by_path_and_stat(tmp_path, monkeypatch):
+    """weights_identity hashes each checkpoint file once per content: later ranks read its SHA-1
+    from $PDSERVE_CACHE_DIR/digests/ while the file's stat is the same; a rewritten file is hashed
+    again, and one written less than DIGEST_SETTLE_S ago is not kept (its mtime could repeat)."""
+    from engine import shared_weights
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"\0" * 100)
+    assert shared_weights._file_sha1(f) == hashlib.sha1(b"\0" * 100).hexdigest()
+    assert not (tmp_path / "cache" / "digests").exists()  # just written: not kept
+    old = int((os.path.getmtime(f) - 60) * 1e9)
+    os.utime(f, ns=(old, old))
+    assert shared_weights._file_sha1(f) == hashlib.sha1(b"\0" * 100).hexdigest()
+    assert len(list((tmp_path / "cache" / "digests").iterdir())) == 1
+
+    real = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda *a: pytest.fail("hashed a file whose digest is kept"))
+    assert shared_weights._file_sha1(f) == hashlib.sha1(b"\0" * 100).hexdigest()
+    monkeypatch.setattr(hashlib, "file_digest", real)
+    f.write_bytes(b"\0" * 99 + b"\1")  # same size; the mtime moves on
+    os.utime(f, ns=(old + 1, old + 1))
+    assert shared_weights._file_sha1(f) == hashlib.sha1(b"\0" * 99 + b"\1").hexdigest()
