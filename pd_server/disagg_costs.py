@@ -7,7 +7,8 @@ router does not import bench/): piecewise linear between grid points, extrapolat
 segments, never below 0, as there.
 
 Which file: `--disagg-costs PATH`, else the curves in bench/pdtune/costs/ whose `model` is the
-served model (the one measured on this many cores first), else BUILTIN: this repository's
+served model (those measured in the dtype the ranks compute in first: `meta.dtype`, bfloat16
+where a file names none; then those measured on this many cores), else BUILTIN: this repository's
 smollm2-135m-instruct curves at 1 thread on the 2-core VM, rounded. For another model the
 seconds are off, but the rule compares costs with costs (a prefill against decode steps of the
 same rank, against queued prefills), and those ratios move far less between models than the
@@ -97,6 +98,7 @@ class CostFile:
     model: str
     cores: int
     raw: dict
+    dtype: str = "bfloat16"  # what the ranks computed in when measured (meta.dtype)
 
     @classmethod
     def parse(cls, d: dict, source: str) -> "CostFile":
@@ -105,7 +107,8 @@ class CostFile:
         have = sorted(set(d["prefill"]) & set(d["decode"]), key=int)
         if not have:
             raise ValueError(f"{source}: no thread count with both prefill and decode curves")
-        f = cls(source, str(d.get("model", "")), int(d.get("cores", 1)), d)
+        f = cls(source, str(d.get("model", "")), int(d.get("cores", 1)), d,
+                str((d.get("meta") or {}).get("dtype", "bfloat16")))
         f.at(int(have[0]))  # parse once now: a bad file fails at start, not at the first request
         return f
 
@@ -125,9 +128,10 @@ class CostFile:
                          ([float(v) for v in st["bytes"]], [float(v) for v in st["seconds"]]))
 
 
-def find_costs(model: str, path: str = "", curves_dir: Path = CURVES_DIR) -> CostFile:
+def find_costs(model: str, path: str = "", curves_dir: Path = CURVES_DIR, dtype: str = "bfloat16") -> CostFile:
     """The curves for `model` (the served name): `path` if given (errors raise), else the
-    matching file in `curves_dir` (measured on this host's core count first), else BUILTIN."""
+    matching file in `curves_dir` (measured in `dtype`, the ranks' compute dtype, first; then on
+    this host's core count), else BUILTIN."""
     if path:
         return CostFile.load(path)
     found = []
@@ -139,5 +143,5 @@ def find_costs(model: str, path: str = "", curves_dir: Path = CURVES_DIR) -> Cos
         if f.model == model:
             found.append(f)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    found.sort(key=lambda f: f.cores != cores)
+    found.sort(key=lambda f: (f.dtype != dtype, f.cores != cores))
     return found[0] if found else CostFile.parse(BUILTIN, "builtin")

@@ -170,5 +170,6 @@ def measure(model: str, threads: list[int], new: list[int], cached: list[int], b
         load = -1.0
     meta = {"transfer_backend": "shm", "reps": reps, "load_avg_1m_at_end": load,
             "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "page_bytes": page_bytes,
+            "dtype": probe.cfg.dtype,  # the router picks the curves of the dtype its ranks compute in
             "note": "hybrid (SWA) models: the SWA state bytes are not in kv_bytes_per_token"}
     return CostCurves(model, os.cpu_count() or 1, page_bytes / probe.cfg.page_size, prefill, decode, xfer, stage, meta)

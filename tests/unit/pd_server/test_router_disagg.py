@@ -142,3 +142,32 @@ def test_cost_reader_falls_back_to_builtin_and_reads_an_explicit_path(tmp_path):
         find_costs("mine", str(tmp_path / "bad.json"))
     with pytest.raises(OSError):
         find_costs("mine", str(tmp_path / "missing.json"))
+
+
+def test_cost_files_measured_in_the_ranks_dtype_come_first(tmp_path):
+    """A CPU without native bf16 computes in float32 (prefills 2-3x their bf16 time): the router
+    prices placements with curves measured in that dtype where the repository has them."""
+    d = json.loads((CURVES_DIR / "smollm2-135m-instruct-cpu2.json").read_text())
+    d["model"] = "m"
+    del d["meta"]["dtype"]  # written before files named their dtype: bf16
+    (tmp_path / "a.json").write_text(json.dumps(d))
+    d["meta"]["dtype"] = "float32"
+    (tmp_path / "b.json").write_text(json.dumps(d))
+    assert find_costs("m", curves_dir=tmp_path).source == str(tmp_path / "a.json")
+    assert find_costs("m", curves_dir=tmp_path, dtype="bfloat16").dtype == "bfloat16"
+    assert find_costs("m", curves_dir=tmp_path, dtype="float32").source == str(tmp_path / "b.json")
+    assert find_costs("m", curves_dir=tmp_path, dtype="float16").source == str(tmp_path / "a.json")  # none: any
+
+    from engine.config import EngineConfig
+    from pd_server.config import RouterConfig
+    from pd_server.launch import LaunchConfig, disagg_costs_for_dtype
+
+    pd, fp32 = LaunchConfig(prefill=1, decode=1), EngineConfig(model="smollm2-135m-instruct", dtype="float32")
+    picked = disagg_costs_for_dtype(RouterConfig(), pd, fp32).disagg_costs
+    assert picked == str(CURVES_DIR / "smollm2-135m-instruct-cpu2-float32.json")
+    assert find_costs("smollm2-135m-instruct", picked).dtype == "float32"
+    bf16 = EngineConfig(model="smollm2-135m-instruct", dtype="bfloat16")
+    assert disagg_costs_for_dtype(RouterConfig(), pd, bf16).disagg_costs == str(CURVES_DIR / "smollm2-135m-instruct-cpu2.json")
+    given = RouterConfig(disagg_costs="/x.json")
+    assert disagg_costs_for_dtype(given, pd, fp32) is given  # --disagg-costs wins
+    assert disagg_costs_for_dtype(RouterConfig(), LaunchConfig(colocated=2), fp32).disagg_costs == ""
