@@ -116,9 +116,7 @@ inline void attend_chunk_f32_avx2(const Problem& p, int64_t b, int64_t t0, int64
     _mm256_storeu_ps(qf + j, _mm256_mul_ps(_mm256_loadu_ps(q + j), _mm256_set1_ps(p.scale)));
   const int64_t v_off = p.kv_stride[1], hs = p.kv_stride[3];
   const int64_t tok_bytes = KVH * D * static_cast<int64_t>(sizeof(float));  // a token's rows, all heads
-  std::fill(st.m, st.m + H, kNegInf);
-  std::fill(st.l, st.l + H, 0.f);
-  std::fill(st.acc, st.acc + H * D, 0.f);
+  reset_state(st, H, D);
   const int64_t* pages = p.page_table + b * p.max_pages;
   const float* rows_buf[3][kTile];
   const float** slot = rows_buf[0];
@@ -127,17 +125,7 @@ inline void attend_chunk_f32_avx2(const Problem& p, int64_t b, int64_t t0, int64
   find_rows(p, pages, t0, std::min(kTile, t1 - t0), slot);
   for (int64_t tt = t0; tt < t1; tt += kTile) {
     const int64_t n = std::min(kTile, t1 - tt);
-    int64_t n_next = std::min(kTile, t1 - tt - n);
-    find_rows(p, pages, tt + n, n_next, next);
-    if (n_next == 0) {  // rows to prefetch only: the start of this thread's likely next item
-      if (t1 < p.ctx_lens[b]) {
-        n_next = std::min(kTile, p.ctx_lens[b] - t1);
-        find_rows(p, pages, t1, n_next, next);
-      } else if (b + 1 < p.batch) {
-        n_next = std::min(kTile, p.ctx_lens[b + 1]);
-        find_rows(p, p.page_table + (b + 1) * p.max_pages, 0, n_next, next);
-      }
-    }
+    const int64_t n_next = next_rows(p, b, tt, n, t1, next);
     // Scores s[h * G + g, i] = (scale q_hg) . k_hi, 8 tokens at a time (a short block repeats its
     // last row; softmax_tile8 drops those lanes).
     for (int64_t i0 = 0; i0 < n; i0 += 8) {

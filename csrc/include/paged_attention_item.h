@@ -91,6 +91,33 @@ inline void find_rows(const Problem& p, const int64_t* pages, int64_t t, int64_t
   }
 }
 
+// An empty softmax state of H heads of D.
+inline void reset_state(Partial st, int64_t H, int64_t D) {
+  std::fill(st.m, st.m + H, kNegInf);
+  std::fill(st.l, st.l + H, 0.f);
+  std::fill(st.acc, st.acc + H * D, 0.f);
+}
+
+// Rows of the tile after [tt, tt + n) of sequence b's item (which ends at t1) into `next`; where
+// that tile is the item's last, the first rows of this thread's likely next item (the next chunk,
+// else the next sequence), to prefetch only. Returns how many.
+template <typename T>
+inline int64_t next_rows(const Problem& p, int64_t b, int64_t tt, int64_t n, int64_t t1, const T** next) {
+  const int64_t* pages = p.page_table + b * p.max_pages;
+  int64_t n_next = std::min(kTile, t1 - tt - n);
+  find_rows(p, pages, tt + n, n_next, next);
+  if (n_next == 0) {
+    if (t1 < p.ctx_lens[b]) {
+      n_next = std::min(kTile, p.ctx_lens[b] - t1);
+      find_rows(p, pages, t1, n_next, next);
+    } else if (b + 1 < p.batch) {
+      n_next = std::min(kTile, p.ctx_lens[b + 1]);
+      find_rows(p, p.page_table + (b + 1) * p.max_pages, 0, n_next, next);
+    }
+  }
+  return n_next;
+}
+
 // Prefetch (into L2) the cache lines of [p, p + bytes): pages are scattered, so the hardware
 // prefetcher loses the stream at every page boundary.
 inline void prefetch_lines(const void* p, int64_t bytes) {
@@ -124,9 +151,7 @@ inline float softmax_tile(float* sg, int64_t n, float& m, float& l) {
 template <typename T, typename Body>
 inline void walk_tiles(const Problem& p, int64_t b, int64_t t0, int64_t t1, Partial st, Body&& body) {
   const int64_t H = p.kvh * p.groups;
-  std::fill(st.m, st.m + H, kNegInf);
-  std::fill(st.l, st.l + H, 0.f);
-  std::fill(st.acc, st.acc + H * p.d, 0.f);
+  reset_state(st, H, p.d);
   const int64_t* pages = p.page_table + b * p.max_pages;
   const T* rows_buf[3][kTile];
   const T** slot = rows_buf[0];
@@ -304,9 +329,7 @@ void attend_chunk_bf16(const Problem& p, int64_t b, int64_t t0, int64_t t1, Part
   const int64_t v_off = p.kv_stride[1], hs = p.kv_stride[3];
   const int64_t tok_bytes = KVH * D * static_cast<int64_t>(sizeof(T));  // a token's rows, all heads
   constexpr int64_t per = std::clamp<int64_t>(kMaxAccVecs / kC, 1, kMaxHeads);
-  std::fill(st.m, st.m + H, kNegInf);
-  std::fill(st.l, st.l + H, 0.f);
-  std::fill(st.acc, st.acc + H * D, 0.f);
+  reset_state(st, H, D);
   const int64_t* pages = p.page_table + b * p.max_pages;
   const T* rows_buf[3][kTile];
   const T** slot = rows_buf[0];
@@ -328,17 +351,7 @@ void attend_chunk_bf16(const Problem& p, int64_t b, int64_t t0, int64_t t1, Part
   find_rows(p, pages, t0, std::min(kTile, t1 - t0), slot);
   for (int64_t tt = t0; tt < t1; tt += kTile) {
     const int64_t n = std::min(kTile, t1 - tt);
-    int64_t n_next = std::min(kTile, t1 - tt - n);
-    find_rows(p, pages, tt + n, n_next, next);
-    if (n_next == 0) {  // rows to prefetch only: the start of this thread's likely next item
-      if (t1 < p.ctx_lens[b]) {
-        n_next = std::min(kTile, p.ctx_lens[b] - t1);
-        find_rows(p, pages, t1, n_next, next);
-      } else if (b + 1 < p.batch) {
-        n_next = std::min(kTile, p.ctx_lens[b + 1]);
-        find_rows(p, p.page_table + (b + 1) * p.max_pages, 0, n_next, next);
-      }
-    }
+    const int64_t n_next = next_rows(p, b, tt, n, t1, next);
     for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
       const int64_t m = std::min(kLanes, n - i0);
       for (int64_t j = 0; j < kLanes; j += 2) {
