@@ -24,7 +24,7 @@ class Setting:
 
 
 CACHE_DIR = Setting("PDSERVE_CACHE_DIR", "~/.cache/pdserve",
-                    "where converted models, tokenizers and built kernels are kept")
+                    "where converted models, tokenizers, built kernels and checkpoint digests (`digests/`) are kept")
 KERNELS = Setting("PDSERVE_KERNELS", "native",
                   "`torch` runs the torch reference ops in place of the CPU kernels that have one "
                   "(linear, RMSNorm, activation, rotary, prefill attention, sampler), for parity checks")

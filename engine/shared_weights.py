@@ -79,10 +79,10 @@ class SharedWeights:
 
 def weights_identity(model_dir: str | Path, dtype: str) -> str:
     """What a CPU rank's loaded and packed weights are a function of, as one string of digests:
-    the name and SHA-1 of every file of `model_dir` (0.4 s for SmolLM2's 538 MB here; kept by path and stat: `_file_sha1`), the dtype,
-    the engine's Python and kernel sources, the torch and safetensors versions, the CPU's model
-    and features (which kernel paths, so which packed layouts) and PDSERVE_KERNELS (whether
-    copies are made). Raises OSError where the checkpoint cannot be read."""
+    the name and SHA-1 of every file of `model_dir` (0.4 s for SmolLM2's 538 MB here; kept by
+    path and stat, `_file_sha1`), the dtype, the engine's Python and kernel sources, the torch
+    and safetensors versions, the CPU's model and features (which kernel paths, so which packed
+    layouts) and PDSERVE_KERNELS (whether copies are made). Raises OSError where the checkpoint cannot be read."""
     parts = [MAGIC.decode(), f"dtype {dtype}", f"torch {torch.__version__}",
              f"safetensors {importlib.metadata.version('safetensors')}", f"code {_code_digest()}",
              f"cpu {_cpu_digest()}", f"env {_env_digest()}"]
