@@ -1,12 +1,13 @@
 // fp32 K/V on CPUs with AVX2 + FMA but no AVX-512 (paged_attention.cpp picks it there): the
-// same work item as attend_chunk (include/paged_attention_item.h: tiles of kTile tokens, each
-// visited once per kv head, online softmax, split-K states in the same layout), written for
+// same work item as attend_chunk (include/paged_attention_item.h: tiles of kTile tokens, online
+// softmax, split-K states in the same layout), written for
 // sixteen 8-lane registers. attend_chunk's 16-lane vectors lower to pairs of ymm registers on
 // such a CPU, and GCC keeps its K rows, partial sums and four heads' V accumulators on the
 // stack (one thread, SmolLM2's shape, 4 sequences of 512 tokens: 1.22 ms a layer, ~2.6 GB/s).
 // Here:
 //   scores: blocks of 8 tokens x one query head, one accumulator per token (K rows as memory
-//     operands, q's vector in a register), the 8 sums folded by a hadd tree (hsum8x8);
+//     operands, q's vector in a register), the 8 sums folded by a hadd tree (hsum8x8), every
+//     kv head's before the V passes (a page's K block read front to back);
 //   softmax: 8 lanes at a time (Cephes exp as lane_pairs.h's exp_nonpos, padded lanes 0);
 //   values: up to 3 heads x 32 columns of accumulators (12 registers) per pass over the tile,
 //     each V chunk loaded once for the heads, each weight broadcast once per token.
