@@ -1,8 +1,9 @@
 """Per-step attention metadata: which KV slots each token writes and which keys each reads.
 
-A step runs a flat list of T tokens. Decode entries (one generated token) come
-first and are attended as one padded batch; each prefill chunk (prompt tokens,
-even a single one) is attended on its own.
+A step runs a flat list of T tokens. Decode entries (generated tokens: one a
+sequence while decoding, several where a sequence recomputes the ones it had
+generated) come first and are attended as one padded batch, a row per token;
+each prefill chunk (prompt tokens, even a single one) is attended on its own.
 
 Full-attention layers: new K/V are written into the sequence's pages first, then
 each query reads keys [0, its position] through the page table.
@@ -71,7 +72,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     write_page: torch.Tensor  # [T] page id per token (full layers)
     write_off: torch.Tensor  # [T] offset within the page
-    num_decode: int  # B: the first B tokens are decode entries (one generated token each)
+    num_decode: int  # B: the first B tokens are decode rows (generated tokens)
     dec_pages: torch.Tensor | None  # [B, Pmax] page table (padded with page 0)
     dec_ctx: torch.Tensor | None  # [B] keys per sequence incl. the new token (full layers)
     dec_slots: torch.Tensor | None  # [B, 1] SWA slot per sequence, a one-page table into the rings
@@ -154,11 +155,13 @@ def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, w
                 sw_tok.append(start + j)
         ctx = nc + n
         num_ctx_pages = -(-ctx // page_size)
-        if seq.decodes(n):
+        if seq.decodes(n):  # a row per token, each reading the keys up to its own position
             assert len(prefills) == 0, "decode entries must come first"
-            num_decode += 1
-            dec_tables.append(pages[:num_ctx_pages])
-            dec_ctx.append(ctx)
+            assert n == 1 or not window, "a sliding-window model recomputes one generated token a step"
+            num_decode += n
+            for c in range(nc + 1, ctx + 1):
+                dec_tables.append(pages[:-(-c // page_size)])
+                dec_ctx.append(c)
             if window:
                 dec_slots.append(seq.swa_slot)
         else:

@@ -8,8 +8,10 @@ Each step:
      recompute prompt + generated tokens), until it fits or is itself preempted.
   2. Waiting sequences are admitted in arrival order while budget, sequence slots,
      pages and SWA slots last; the first that does not fit stops admission (FCFS).
-  3. Decode entries (one generated token) go first in the step (they attend as one padded
-     batch); prompt tokens, even a one-token chunk, run as prefill chunks.
+  3. Decode entries (generated tokens: one while decoding, the tokens it had generated for a
+     sequence that recomputes them after a preemption or a move from another rank, one a step
+     on models with a sliding window) go first in the step (they attend as one padded batch,
+     a row per token); prompt tokens, even a one-token chunk, run as prefill chunks.
 """
 from __future__ import annotations
 
@@ -57,6 +59,15 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def _rows(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes in this step: its schedulable ones within the budget; generated
+        tokens recomputed (decode rows) one a step where the model has sliding-window layers,
+        whose one-token entries write the ring before reading it."""
+        n = min(seq.num_schedulable, budget)
+        if n > 1 and self.pool.swa_layers and seq.num_computed >= len(seq.prompt_ids):
+            n = 1
+        return n
+
     def _ensure_pages(self, seq: Sequence, num_tokens: int) -> bool:
         need = self.pool.pages_for(num_tokens) - len(seq.pages)
         if need <= 0:
@@ -92,7 +103,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_schedulable, budget)
+            n = self._rows(seq, budget)
             if n == 0:
                 continue
             while not self._ensure_pages(seq, seq.num_computed + n):
@@ -115,7 +126,7 @@ class Scheduler:
                 if self.on_admit is not None and not self.on_admit(seq):
                     self.release(seq)
                     break
-                n = min(seq.num_schedulable, budget)
+                n = self._rows(seq, budget)
                 if not self._ensure_pages(seq, seq.num_computed + n):
                     self.release(seq)
                     seq.num_computed = 0

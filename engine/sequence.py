@@ -64,18 +64,25 @@ class Sequence:
 
     @property
     def num_schedulable(self) -> int:
-        """Tokens the next step may compute: num_uncomputed, cut at the next store point."""
+        """Tokens the next step may compute: num_uncomputed, cut at the next store point and at
+        the end of the prompt (a resumed or preempted sequence's generated tokens are recomputed
+        as decode rows, see decodes)."""
         n = self.num_uncomputed
         if self.store_points and self.store_points[0] > self.num_computed:
             n = min(n, self.store_points[0] - self.num_computed)
+        if self.num_computed < len(self.prompt_ids):
+            n = min(n, len(self.prompt_ids) - self.num_computed)
         return n
 
     def decodes(self, n: int) -> bool:
-        """Whether a step computing `n` tokens of this sequence is a decode entry: one generated
-        token (the one-token batch, paged decode attention). Prompt tokens always run as a
+        """Whether a step computing `n` tokens of this sequence is a decode entry: generated
+        tokens, each a row of paged decode attention over the keys up to its own position.
+        That is one row while decoding; a sequence resumed on another rank or preempted
+        recomputes the tokens it generated as `n` such rows (teacher-forced), so their KV has
+        the bits the decode steps that made them gave it. Prompt tokens always run as a
         prefill chunk, even one alone, so a prompt's bits do not depend on where the scheduler
         cut it (budget left over, host-cache store points)."""
-        return n == 1 and self.num_computed >= len(self.prompt_ids)
+        return n >= 1 and self.num_computed >= len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:

@@ -332,6 +332,9 @@ def test_a_full_decode_rank_keeps_its_handoffs_for_longer_than_the_lease(tmp_pat
     room several leases long, their KV pinned on the prefill rank by the decode rank's Renews;
     every one completes (no 503 or 504) and the pins come back."""
     lease_s = 1.5
+    # The last request waits for three others to decode: 3 x 160 steps, ~5 s at 10 ms a step (bf16
+    # with AMX, one thread; 48 tokens each made only 2.4 s there), ~12 s at 25 ms (fp32 on Zen 3).
+    n_tokens = 160
     system = start_system(tmp_path, ["--model", MODEL, "--num-threads", "1", "--max-num-seqs", "1",
                                      "--prefill", "1", "--decode", "1", "--transfer", "shm", "--kv-cache-gb", "0.05",
                                      "--handoff-lease-s", str(lease_s), "--disagg", "always"], timeout=300)
@@ -339,7 +342,7 @@ def test_a_full_decode_rank_keeps_its_handoffs_for_longer_than_the_lease(tmp_pat
 
     def one(i: int) -> None:
         t0 = time.monotonic()
-        r = complete(system, {"prompt": f"Request {i}: tell me about the sea.", "max_tokens": 48,
+        r = complete(system, {"prompt": f"Request {i}: tell me about the sea.", "max_tokens": n_tokens,
                               "ignore_eos": True}, timeout=150)
         results[i] = (r.status_code, r.json(), time.monotonic() - t0)
 
@@ -351,7 +354,7 @@ def test_a_full_decode_rank_keeps_its_handoffs_for_longer_than_the_lease(tmp_pat
             t.join(timeout=160)
         assert not any(t.is_alive() for t in threads), "a request hung"
         assert [c for c, _, _ in results.values()] == [200] * 4, results
-        assert all(b["usage"]["completion_tokens"] == 48 for _, b, _ in results.values())
+        assert all(b["usage"]["completion_tokens"] == n_tokens for _, b, _ in results.values())
         # The premise: some request waited (for the decode rank's one place) for more than a lease.
         assert max(s for _, _, s in results.values()) > 2 * lease_s, results
         system.wait_until(lambda: idle(system), FAST_S, "both ranks idle")

@@ -102,22 +102,12 @@ def test_hung_decode_rank_is_killed_and_replaced_by_the_supervisor(pd_sup):
 
     story = {"prompt": "Tell me a story", "max_tokens": 60, "ignore_eos": True}
     text, _ = stream_until_end(pd_sup, story, on_first=stop_it)
-    moved = sse_text(text)[0]
-    uninterrupted = complete(pd_sup, story).json()["choices"][0]["text"]
-    assert moved[:len(" Once upon a time")] == uninterrupted[:len(" Once upon a time")]  # moved, not failed
+    assert sse_text(text)[0] == complete(pd_sup, story).json()["choices"][0]["text"]  # moved, not failed
     pd_sup.wait_until(lambda: pid_gone(stopped["pid"]), FAST_S, "the hung rank killed")
     pd_sup.wait_until(lambda: _restarted(pd_sup, stopped["name"], stopped["pid"]), 120, "the hung rank replaced")
     pd_sup.wait_until(lambda: idle(pd_sup), FAST_S, "every rank idle")
     r = complete(pd_sup, {"prompt": "The capital of France is", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-    if moved != uninterrupted:
-        from engine.config import resolve_dtype
-        if resolve_dtype("auto", "cpu") == "float32":
-            assert moved == uninterrupted
-        # Known gap (issue 36's closing note): in bf16 the rank that takes the request recomputes
-        # the prompt and the streamed tokens as one prefill, whose rows round differently from the
-        # decode steps that made them, so a near-tie can flip a later greedy token.
-        pytest.xfail("bf16: a migrated request's recomputed KV rounds differently from its decode steps'")
 
 
 def test_hung_prefill_rank_moves_the_request_queued_on_it_to_a_decode_rank(pd_sup):

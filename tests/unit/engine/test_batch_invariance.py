@@ -47,3 +47,37 @@ def test_chunking_and_batching_leave_the_bits_alone(model):
     alone = _run(prompts, limit, together=False, model=model)  # chunks of 1024 (+276), 530, 90
     mixed = _run(prompts, 384, together=True, model=model)  # chunks of 384 next to other prompts and decodes
     assert alone == mixed and all(len(v) == 6 for v in alone.values())
+
+
+def _collect(eng, requests) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for rid, prompt, params, done in requests:
+        eng.add_request(rid, prompt, params, output_ids=done)
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend((t.token_id, t.logprob, t.top) for t in o.logprobs)
+    return out
+
+
+@pytest.mark.parametrize("model", [None, "gemma-3-270m"], ids=["smollm2", "gemma3"])
+def test_a_resumed_request_goes_on_with_the_bits_of_the_uninterrupted_one(model):
+    """A request moved from a dead rank (add_request output_ids) recomputes the tokens it had
+    generated as decode rows, as the steps that made them did, so its next tokens and logprobs
+    have the uninterrupted run's bits (a prefill over them rounds differently: in bf16 a near
+    tie then flips a later greedy token)."""
+    limit = invariant_rows()
+    if not limit:
+        pytest.skip("needs the linear kernel (torch's GEMM gives a row other bits in another batch)")
+    kw = {"model": model} if model else {}
+    eng = LLMEngine(EngineConfig(num_threads=1, kv_cache_gb=0.25, max_num_batched_tokens=min(limit, 1024), **kw))
+    g = torch.Generator().manual_seed(3)
+    prompt, other = (torch.randint(100, 30000, (n,), generator=g).tolist() for n in (300, 120))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+    try:
+        whole = _collect(eng, [("whole", prompt, params, [])])["whole"]
+        cut = 25
+        moved = _collect(eng, [("other", other, params, []),
+                               ("moved", prompt, params, [t for t, _, _ in whole[:cut]])])
+    finally:
+        eng.close()
+    assert moved["moved"] == whole[cut:] and len(moved["other"]) == 40
