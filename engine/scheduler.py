@@ -64,7 +64,7 @@ class Scheduler:
         tokens recomputed (decode rows) one a step where the model has sliding-window layers,
         whose one-token entries write the ring before reading it."""
         n = min(seq.num_schedulable, budget)
-        if n > 1 and self.pool.swa_layers and seq.num_computed >= len(seq.prompt_ids):
+        if n > 1 and self.pool.swa_layers and seq.decodes(n):
             n = 1
         return n
 
