@@ -76,9 +76,10 @@ class LaunchConfig:
     restart_backoff_s: float = opt(1.0, "with --supervise: wait before a restart, doubled per restart of that rank")
     cluster_secret: str = opt("", "shared secret every rank must prove (ZeroMQ CURVE on rank sockets); "
                                   "default $PDSERVE_CLUSTER_SECRET, passed to the ranks in their environment")
-    lend_cores: bool = opt(True, "steps of at most 1024 rows (decode batches, prefill chunks) run on the torch "
-                                 "threads of this host's idle ranks too (a lone prompt prefills on every "
-                                 "core); the kernels give their rows the same bits at any thread count")
+    lend_cores: bool = opt(True, "steps of at most 1024 rows (decode batches, prefill chunks; float32 on AVX2: "
+                                 "decode steps of at most 16 rows) run on the torch threads of this host's "
+                                 "idle ranks too (a lone prompt prefills on every core); the kernels give "
+                                 "their rows the same bits at any thread count")
     lend_idle_cores: bool = opt(False, "every step, larger ones too, runs on the threads of this host's idle "
                                        "ranks. Off by default: steps above 1024 rows use oneDNN's GEMM, which "
                                        "rounds differently at another thread count, so outputs then depend on "

@@ -41,13 +41,17 @@ while it borrows it widens its threads' affinity to the host's cpuset, and narro
 when it drops back. With more ranks than cores nothing is pinned (the OS balances one thread a
 rank better than a fixed sharing would).
 
-Numerics: by default only steps of at most `invariant_rows` rows borrow (every step with the
-packed AVX512-BF16 linear kernel, 1024 rows with its AMX GEMM: native/linear.py). Their
+Numerics: by default only steps whose bits do not depend on the thread count borrow
+(`LLMEngine.next_step_invariant`). In bf16, steps of at most `invariant_rows` rows (every step
+with the packed AVX512-BF16 linear kernel, 1024 rows with its AMX GEMM: native/linear.py): their
 ops give a row the same bits at any thread count (small_linear and its AMX GEMM, prefill and
 paged attention, RMSNorm, act_and_mul, rotary, race_sample, elementwise torch ops; paged
-attention's split-K is planned for the rank's own thread count, `set_split_threads`), so
-outputs do not depend on timing. Larger steps borrow only with `lend_all` (the launcher's
-`--lend-idle-cores`): they use oneDNN's bf16 GEMM, whose bits depend on the thread count.
+attention's split-K is planned for the rank's own thread count, `set_split_threads`). In
+float32 on AVX2 CPUs, steps of decode rows only, at most 16 (the quant-copy linear kernel,
+native/quant_linear.py, with the same paged attention, RMSNorm and elementwise ops); prompt
+chunks there take torch's attention and GEMM and run on the rank's own threads. So outputs do
+not depend on timing. Other steps borrow only with `lend_all` (the launcher's
+`--lend-idle-cores`): they use oneDNN's GEMM, whose bits depend on the thread count.
 
 Slots start busy holding the launcher's threads per rank: a rank still loading its model lends
 nothing, and neither does one that stopped or died (the safe side).
@@ -148,7 +152,8 @@ class CoreBoard:
     `idle()` when out of work. Sets torch's thread count (and, pinned, the affinity) itself."""
 
     def __init__(self, path: str | Path, slot: int, own_threads: int, max_threads: int | None = None,
-                 settle_s: float = 0.02, lend_all: bool = False, bf16: bool = True, eager_rows: int = 128,
+                 settle_s: float = 0.02, lend_all: bool = False, invariant_rows: int | None = None,
+                 eager_rows: int = 128,
                  home: Iterable[int] = (), host: Iterable[int] = ()) -> None:
         self._fd = os.open(path, os.O_RDWR)
         size = os.fstat(self._fd).st_size
@@ -174,12 +179,15 @@ class CoreBoard:
         self._lendable = False  # the running step may borrow (busy() said so)
         self._idle_since: float | None = None
         self._write(0.0, self.own)
-        from native.linear import invariant_rows
         from native.paged_attention import set_split_threads
 
-        # Steps up to the Linear kernel's row limit may borrow: every op of theirs then gives a row
-        # the same bits at any thread count (paged attention once split-K is pinned here).
-        self.invariant_rows = invariant_rows() if bf16 else 0
+        # Steps up to the engine's invariant_rows may borrow (default: the bf16 Linear kernel's
+        # limit): every op of theirs then gives a row the same bits at any thread count (paged
+        # attention once split-K is pinned here).
+        if invariant_rows is None:
+            from native.linear import invariant_rows as kernel_rows
+            invariant_rows = kernel_rows()
+        self.invariant_rows = invariant_rows
         set_split_threads(self.own)
 
     def _offset(self, i: int) -> int:

@@ -97,17 +97,18 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
 
         from rank_runtime.core_board import CoreBoard
 
-        # Only the bf16 kernels are thread-count invariant: an fp32 model lends nothing by default.
+        # Steps borrow where their bits do not depend on the thread count (the engine says which).
         loop.board = CoreBoard(cfg.core_board, cfg.core_slot, torch.get_num_threads(), lend_all=cfg.lend_all,
-                               bf16=engine is None or engine.cfg.dtype == "bfloat16", home=cfg.cpu_list,
-                               host=host)
+                               invariant_rows=None if engine is None else engine.invariant_rows(),
+                               home=cfg.cpu_list, host=host)
         if engine is not None:
             engine.runner.model.between_layers = loop.board.recheck
         closers = (*closers, loop.board.close)
         log.info("core board %s slot %d: %d own thread(s), up to %d on cores no other rank holds, for %s",
                  cfg.core_board, cfg.core_slot, loop.board.own, loop.board.max,
                  "every step" if cfg.lend_all or loop.board.invariant_rows == sys.maxsize
-                 else f"steps of at most {loop.board.invariant_rows} rows")
+                 else f"steps of at most {loop.board.invariant_rows} rows"
+                 + (" of decode rows only" if engine is not None and engine.invariant_steps()[1] else ""))
     link.start()
     try:
         loop.run(link)

@@ -84,7 +84,7 @@ class Pair:
         for _, msg in self.prefill.link.take_peer():
             self.handoffs.append(msg)
             if deliver:
-                self.decode.link.inbox.put(PeerMessage(PREFILL_ID, msg))
+                self.decode.link.inbox.put(PeerMessage(PREFILL_ID, msg, self.clock()))  # received: on this clock
         self.decode.run_once()
         for _, msg in self.decode.link.take_peer():
             self.prefill.link.inbox.put(PeerMessage(b"decode-0", msg))
@@ -294,7 +294,7 @@ def test_full_handoff_pool_holds_prompts_back(tiny_model_dir):
             pair.turn(deliver=False)
         assert [g.request_id for g in pair.prefill._held] == ["b"]  # a is handed off, still pinned
         for h in pair.handoffs:
-            pair.decode.link.inbox.put(PeerMessage(PREFILL_ID, h))
+            pair.decode.link.inbox.put(PeerMessage(PREFILL_ID, h, pair.clock()))
         for _ in range(40):
             pair.turn()
             if len(pair.finished()) == 2 and pair.idle():

@@ -274,34 +274,38 @@ def test_steps_of_unstable_bits_borrow_only_when_asked(tmp_path, threads):
     assert a.busy(invariant=False) == 1 and a.busy(invariant=True) == 2
     a.idle()
     assert b.busy(invariant=False) == 2
-    fp32 = CoreBoard(path, 0, 1, 2, settle_s=0.0, bf16=False)
+    none = CoreBoard(path, 0, 1, 2, settle_s=0.0, invariant_rows=0)
     from native.linear import invariant_rows
 
-    assert a.invariant_rows == invariant_rows() and fp32.invariant_rows == 0  # 0 where the kernel cannot run
+    assert a.invariant_rows == invariant_rows() and none.invariant_rows == 0  # the kernel's, or the engine's
 
 
-def test_steps_give_the_same_bits_on_lent_threads(threads):
-    """The numerics contract that lets steps of up to `invariant_rows` rows borrow threads by
-    default: prompts run on 1 thread, or with every step that may borrow on 2 (prefill chunks
-    of one prompt or several, up to 4096 rows a step where the kernel takes any row count, and
-    decode batches at contexts past 1024 tokens, where 2 threads
-    would cut split-K), give bitwise the same tokens and logprobs."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_steps_give_the_same_bits_on_lent_threads(threads, dtype):
+    """The numerics contract that lets the steps `LLMEngine.next_step_invariant` names borrow
+    threads by default: prompts run on 1 thread, or with every step that may borrow on 2, give
+    bitwise the same tokens and logprobs. bf16: prefill chunks of one prompt or several, up to
+    4096 rows a step where the kernel takes any row count, and decode batches at contexts past
+    1024 tokens, where 2 threads would cut split-K. float32 (the quant-copy kernel of AVX2 CPUs,
+    the default GGUF model): decode steps of up to 16 rows, at the same contexts."""
     from engine.config import EngineConfig as Cfg
     from native.linear import invariant_rows
     from native.paged_attention import set_split_threads
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    limit = invariant_rows()
-    if not limit:
-        pytest.skip("no thread-count invariant kernel on this CPU (AVX2 only): nothing is lent by default")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (1500, 300, 1100, 530)]
     runs, lent_steps = [], 0
     try:
         set_split_threads(1)
         for lent in (1, 2):
-            eng = LLMEngine(Cfg(num_threads=1, kv_cache_gb=0.25, max_num_batched_tokens=min(max(limit, 32), 4096)))
+            # bf16: a budget the kernel covers, so the prefill chunks borrow too.
+            budget = min(max(invariant_rows(), 32), 4096) if dtype == "bfloat16" else 4096
+            eng = LLMEngine(Cfg(num_threads=1, kv_cache_gb=0.25, dtype=dtype, max_num_batched_tokens=budget))
+            if not eng.invariant_rows():
+                eng.close()
+                pytest.skip(f"no thread-count invariant {dtype} kernel on this CPU: nothing is lent by default")
             params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
                       SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True, logprobs=2),
                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
@@ -312,7 +316,7 @@ def test_steps_give_the_same_bits_on_lent_threads(threads):
                 for i in batch:
                     eng.add_request(f"r{i}", prompts[i], params[i])
                 while eng.has_unfinished():
-                    borrow = eng.next_step_rows_at_most(limit)
+                    borrow = eng.next_step_invariant()
                     lent_steps += borrow and lent == 2
                     torch.set_num_threads(lent if borrow else 1)
                     for o in eng.step():
@@ -322,7 +326,7 @@ def test_steps_give_the_same_bits_on_lent_threads(threads):
     finally:
         set_split_threads(0)
     assert runs[0] == runs[1] and all(len(v) == 12 for v in runs[0].values())
-    assert lent_steps >= 20  # decode steps, and (the chunk GEMM) the prefill chunks too
+    assert lent_steps >= 20  # decode steps, and (bf16: the chunk GEMM) the prefill chunks too
 
 
 def test_the_step_row_bound():
@@ -342,5 +346,29 @@ def test_the_step_row_bound():
         assert eng.next_step_rows_at_most(64) and not eng.next_step_rows_at_most(26)  # 1 decode row + 26 prefill
         eng.step()
         assert eng.next_step_rows_at_most(2) and not eng.next_step_rows_at_most(1)  # two decode rows
+    finally:
+        eng.close()
+
+
+def test_float32_steps_borrow_only_with_decode_rows_alone():
+    """On the float32 quant-copy kernel prompt chunks take torch's attention and GEMM, whose bits
+    may depend on the thread count: only steps of decode rows, at most 16, may borrow."""
+    from engine.config import EngineConfig as Cfg
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    eng = LLMEngine(Cfg(num_threads=1, kv_cache_gb=0.25, dtype="float32", max_num_batched_tokens=64))
+    try:
+        if eng.invariant_steps() != (16, True):
+            pytest.skip("the float32 quant-copy kernel does not run on this CPU")
+        sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        eng.add_request("a", list(range(100, 108)), sp)
+        assert eng.next_step_rows_at_most(16) and not eng.next_step_invariant()  # an 8-row prompt chunk
+        eng.step()
+        assert eng.next_step_invariant()  # one decode row
+        eng.add_request("b", list(range(100, 104)), sp)
+        assert not eng.next_step_invariant()  # a prompt joins it
+        eng.step()
+        assert eng.next_step_invariant()  # two decode rows
     finally:
         eng.close()
