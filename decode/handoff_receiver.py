@@ -233,12 +233,22 @@ class HandoffReceiver:
             self._start(inc, res)
         return done + self._poll()  # tiny reads finish inside read()
 
-    def _renew(self, now: float) -> None:
+    def renew_due(self) -> None:
+        """Within a step (between its layers): send the Renews that are due. A step can outlast a
+        lease (a decode rank prefilling prompts the router placed on it, in float32 on a shared
+        core: 10-20 s for a 2048-token step), and the handoffs held meanwhile would otherwise run
+        out as if this rank had stalled. One whose lease this rank already counts as gone stays
+        gone (progress() fails it)."""
+        if self.queue or self.pulling:
+            self._renew(self.clock(), live_only=True)
+
+    def _renew(self, now: float, live_only: bool = False) -> None:
         """Renew every held handoff whose Renew is due, one message per prefill rank. Renewing
-        early is harmless (the prefill rank's lease only moves forward from its clock)."""
+        early is harmless (the prefill rank's lease only moves forward from its clock).
+        `live_only`: not those whose lease_end has passed."""
         due: dict[bytes, list[_Incoming]] = {}
         for inc in (*self.queue, *self.pulling.values()):
-            if now >= inc.renew_at and inc.sender in self.peers:
+            if now >= inc.renew_at and inc.sender in self.peers and not (live_only and now > inc.lease_end):
                 due.setdefault(inc.sender, []).append(inc)
         for sender, incs in due.items():
             for inc in incs:

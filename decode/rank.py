@@ -13,6 +13,7 @@ handed-off decodes. Start-up and exit: rank_runtime/serve.py.
 from __future__ import annotations
 
 import logging
+import queue
 import sys
 
 from cluster.protocol.prefill_decode import PAGES_REGION, STATES_REGION, Handoff, PeerHello
@@ -76,6 +77,26 @@ class DecodeLoop(RankLoop):
     def drop_all(self, why: str) -> None:
         self.receiver.drop_all(why)
         super().drop_all(why)
+
+    def between_layers(self) -> None:
+        """Within a step: Handoffs that arrived meanwhile join the receiver's queue, and the
+        leases due are renewed, so a step longer than a lease (several prompts the router placed
+        here, in float32 on a shared core) fails no handoff. Every other message waits for the
+        step's end, in order, and so does a Handoff behind one that is not a Generate or an
+        Abort (a PeerHello, Peers or RouterLost may change what it means)."""
+        super().between_layers()
+        if self.link is not None:
+            while True:
+                try:
+                    msg = self.link.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if (isinstance(msg, PeerMessage) and isinstance(msg.msg, Handoff)
+                        and all(isinstance(m, (Generate, Abort)) for m in self.deferred)):
+                    self.receiver.on_handoff(msg.sender, msg.msg, msg.received)
+                else:
+                    self.deferred.append(msg)
+        self.receiver.renew_due()
 
     def between_steps(self) -> None:
         for c in self.receiver.progress():

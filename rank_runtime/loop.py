@@ -68,6 +68,9 @@ class RankLoop:
         if self._cache is not None:
             self._cache.record_events = True
         self.link: RankLink | None = None
+        # Messages taken off the inbox within a step and left for the step's end, in order
+        # (a decode rank takes Handoffs mid-step: decode/rank.py).
+        self.deferred: list = []
         self.steps = 0
         self.arrived: dict[str, float] = {}  # request id -> rank wall clock at arrival
         self.first_token_at: dict[str, float] = {}  # request id -> first token time
@@ -130,6 +133,12 @@ class RankLoop:
     def between_steps(self) -> None:
         """Role work between steps (transfers, leases, held-back admissions)."""
 
+    def between_layers(self) -> None:
+        """Within a step, between its layers (the model's hook, rank_runtime/serve.py): lent cores
+        go back or are taken (core_board.py); a decode rank renews its handoffs' leases."""
+        if self.board is not None:
+            self.board.recheck()
+
     def _ship_cache_events(self) -> None:
         if self._cache is not None:
             events = self._cache.drain_events()
@@ -148,19 +157,27 @@ class RankLoop:
             time.sleep(FIRST_TOKEN_YIELD_S)
 
     def _admit(self, wait_s: float) -> None:
+        if self.deferred:
+            deferred, self.deferred = self.deferred, []
+            for msg in deferred:
+                self._take(msg)
+            wait_s = 0.0
         try:
             msg = self.link.inbox.get(timeout=wait_s) if wait_s > 0 else self.link.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            if isinstance(msg, RouterLost):
-                self.drop_all(msg.reason)
-            else:
-                self.on_message(msg)
+            self._take(msg)
             try:
                 msg = self.link.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _take(self, msg) -> None:
+        if isinstance(msg, RouterLost):
+            self.drop_all(msg.reason)
+        else:
+            self.on_message(msg)
 
     def on_message(self, msg) -> None:
         if isinstance(msg, Generate):

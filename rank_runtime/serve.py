@@ -101,14 +101,14 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
         loop.board = CoreBoard(cfg.core_board, cfg.core_slot, torch.get_num_threads(), lend_all=cfg.lend_all,
                                invariant_rows=None if engine is None else engine.invariant_rows(),
                                home=cfg.cpu_list, host=host)
-        if engine is not None:
-            engine.runner.model.between_layers = loop.board.recheck
         closers = (*closers, loop.board.close)
         log.info("core board %s slot %d: %d own thread(s), up to %d on cores no other rank holds, for %s",
                  cfg.core_board, cfg.core_slot, loop.board.own, loop.board.max,
                  "every step" if cfg.lend_all or loop.board.invariant_rows == sys.maxsize
                  else f"steps of at most {loop.board.invariant_rows} rows"
                  + (" of decode rows only" if engine is not None and engine.invariant_steps()[1] else ""))
+    if engine is not None:
+        engine.runner.model.between_layers = loop.between_layers
     link.start()
     try:
         loop.run(link)

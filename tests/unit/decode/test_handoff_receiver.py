@@ -257,3 +257,19 @@ def test_handoff_with_the_wrong_page_count_is_refused():
     rig.hello()
     rig.rx.on_handoff(PEER, handoff(pages=(1, 2)))  # 40 tokens need 3 pages of 16
     assert isinstance(rig.answers("r1")[0], PullFailed) and "layout" in rig.errors()[0].message
+
+
+def test_renewals_within_a_step_skip_a_handoff_whose_lease_is_gone():
+    """renew_due (between a step's layers) renews what is due, but not a handoff whose lease
+    this rank already counts as run out: the next progress() fails that one unread."""
+    rig = Rig(room=0, wait_s=100.0)
+    rig.hello()
+    rig.rx.on_handoff(PEER, handoff("gone"), received=rig.clock() - LEASE_S)
+    rig.rx.on_handoff(PEER, handoff("live"))
+    rig.clock.advance(LEASE_S / 3 + 0.01)
+    rig.rx.renew_due()
+    assert [m for _, m in rig.to_peer[1:]] == [Renew(["live"])]
+    rig.engine.room = 64
+    rig.rx.progress()
+    [err] = rig.errors()
+    assert err.request_id == "gone" and "lease" in err.message and "live" in rig.rx.pulling
