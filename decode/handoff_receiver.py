@@ -4,7 +4,9 @@ A handed-off request on a decode rank:
   1. Queued: the Handoff arrived (from a prefill rank that said PeerHello and was added to the
      transfer backend). FIFO; the KV waits, pinned, in the prefill rank's handoff pool. While
      this rank holds the handoff (queued or pulling) it sends the prefill rank a Renew every
-     third of the lease, so a full rank keeps the pins for as long as it waits for room.
+     third of the lease, so a full rank keeps the pins for as long as it waits for room
+     (between steps in `progress()`, and between a step's layers in `renew_due()`: a step can
+     outlast a lease).
   2. Pulling: the engine had room (reserve_kv: device pages, an SWA slot, a sequence place);
      two reads run on the backend's thread, the prompt's pages into the reserved pages and the
      SWA rings (one window per sliding layer, never more) into the reserved slot, while the
