@@ -85,17 +85,17 @@ class DecodeLoop(RankLoop):
         step's end, in order, and so does a Handoff behind one that is not a Generate or an
         Abort (a PeerHello, Peers or RouterLost may change what it means)."""
         super().between_layers()
-        if self.link is not None:
-            while True:
-                try:
-                    msg = self.link.inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if (isinstance(msg, PeerMessage) and isinstance(msg.msg, Handoff)
-                        and all(isinstance(m, (Generate, Abort)) for m in self.deferred)):
-                    self.receiver.on_handoff(msg.sender, msg.msg, msg.received)
-                else:
-                    self.deferred.append(msg)
+        inbox = None if self.link is None else self.link.inbox
+        while inbox is not None and not inbox.empty():  # (no exception raised a layer when empty)
+            try:
+                msg = inbox.get_nowait()
+            except queue.Empty:
+                break
+            if (isinstance(msg, PeerMessage) and isinstance(msg.msg, Handoff)
+                    and all(isinstance(m, (Generate, Abort)) for m in self.deferred)):
+                self.receiver.on_handoff(msg.sender, msg.msg, msg.received)
+            else:
+                self.deferred.append(msg)
         self.receiver.renew_due()
 
     def between_steps(self) -> None:
