@@ -36,12 +36,13 @@ from engine.outputs import KVExport, KVReservation, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.step_bounds import StepBounds
 from engine.text_decoder import BackendDecoder, load_decoder
 
 log = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(StepBounds):
     def __init__(self, cfg: EngineConfig, host_cache: HostCacheFactory | None = None) -> None:
         """`host_cache` builds the host KV cache when cfg.hicache_size_gb > 0 (e.g.
         hicache.cache.HostCache.for_engine); it is required then, and unused otherwise."""
@@ -71,7 +72,6 @@ class LLMEngine:
         # Constrained requests (SamplingParams.grammar): the tokenizer loads on the first one.
         self.grammars = GrammarCompiler(lambda: self.tokenizer, self.model_cfg.vocab_size,
                                         list(self.model_cfg.eos_token_ids))
-        self._invariant: tuple[int, bool] | None = None  # invariant_rows(), worked out on first use
         self._reserved = 0  # outstanding KVReservations (they count against max_num_seqs)
         # PD prefill rank: called on a prefill-only sequence that got its first token and goes
         # on elsewhere, before its pages are freed; copies its KV out (pages + SWA slot) and
@@ -222,62 +222,6 @@ class LLMEngine:
         return True
 
     # ---- the loop -------------------------------------------------------------
-    def next_step_rows(self) -> int:
-        """A bound on the next step's rows: every running and waiting sequence's next chunk,
-        capped by the token budget (0 with nothing to run)."""
-        sched = self.scheduler
-        rows = sum(s.num_schedulable for s in sched.running) + sum(s.num_schedulable for s in sched.waiting)
-        return min(rows, sched.budget)
-
-    def next_step_rows_at_most(self, max_rows: int) -> bool:
-        """True when the next step will run at least one and at most `max_rows` rows (by
-        next_step_rows' bound). Steps up to the Linear kernel's row limit give every row the same
-        bits at any thread count."""
-        sched = self.scheduler
-        return bool(sched.running or sched.waiting) and self.next_step_rows() <= max_rows
-
-    def invariant_rows(self) -> int:
-        """Steps of up to this many rows give every row the same bits at any thread count (0: no
-        step does), so they may run on threads lent by idle ranks (rank_runtime/core_board.py).
-        bf16 on the CPU with the linear kernel: its limit (native.linear.invariant_rows). float32
-        where every linear reads a quant copy (native/quant_linear.py, AVX2): QUANT_F32_ROWS, for
-        steps of decode rows only (`next_step_invariant`: prompt chunks take torch's attention)."""
-        return self.invariant_steps()[0]
-
-    def invariant_steps(self) -> tuple[int, bool]:
-        """(invariant_rows(), whether that holds for steps of decode rows only)."""
-        if self._invariant is None:
-            self._invariant = self._thread_invariant_steps()
-        return self._invariant
-
-    def _thread_invariant_steps(self) -> tuple[int, bool]:
-        import torch
-
-        if self.runner.device.type != "cpu":
-            return 0, False
-        if self.cfg.torch_dtype == torch.bfloat16:
-            from native.linear import invariant_rows
-            return invariant_rows(), False
-        if self.cfg.torch_dtype == torch.float32:
-            from engine.layers.linear import Linear
-            from native.quant_linear import QUANT_F32_ROWS, quant_f32_available
-
-            linears = [m for m in self.runner.model.modules() if isinstance(m, Linear)]
-            if linears and quant_f32_available() and all(m.quant_weight() is not None for m in linears):
-                return QUANT_F32_ROWS, True
-        return 0, False
-
-    def next_step_invariant(self) -> bool:
-        """True when the next step's bits will not depend on the thread count it runs with: at
-        most invariant_rows() rows, and, where that holds for decode rows only, no prompt chunk."""
-        limit, decode_only = self.invariant_steps()
-        if not limit or not self.next_step_rows_at_most(limit):
-            return False
-        if not decode_only:
-            return True
-        sched = self.scheduler
-        return not sched.waiting and all(s.decodes(s.num_schedulable) for s in sched.running)
-
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

@@ -109,7 +109,7 @@ class RankLoop:
             return
         if self.board is not None:  # (a step of many rows takes idle peers' cores before they settle)
             rows, b = eng.next_step_rows(), self.board  # (something runs: has_unfinished)
-            b.busy(eng.next_step_invariant(), rows > b.eager_rows)
+            b.busy(eng.next_step_invariant(rows), rows > b.eager_rows)
         try:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank

@@ -202,57 +202,6 @@ def test_a_full_decode_rank_renews_the_lease_and_the_request_completes(tiny_mode
         ref.close()
 
 
-def test_a_step_longer_than_the_lease_takes_handoffs_and_renews_them_between_its_layers(tiny_model_dir):
-    """A decode rank's step can outlast a lease (prompts the router placed on it, in float32 on
-    a shared core). Between its layers it takes the Handoffs that arrived and renews what it
-    holds, so nothing fails; every other message waits for the step's end, in order, and so
-    does a Handoff behind one that is not a Generate or an Abort."""
-    pair = Pair(tiny_model_dir("llama"), lease_s=3.0)
-    ref = Pair(tiny_model_dir("llama"))
-    try:
-        prompt = _prompts((37,))[0]
-        for p in (pair, ref):
-            for rid in "ab":
-                p.generate(rid, prompt)
-        ref.generate("c", prompt)
-        for _ in range(20):
-            pair.turn(deliver=False)
-            if len(pair.handoffs) == 2:
-                break
-        ha, hb = pair.handoffs
-        dec = pair.decode
-        dec.link.inbox.put(PeerMessage(PREFILL_ID, ha, pair.clock()))
-        dec.link.inbox.put(Abort("nobody"))
-        dec.link.inbox.put(PeerMessage(PREFILL_ID, hb, pair.clock()))
-        dec.between_layers()  # "a" and "b" join the queue; the Abort waits
-        assert dec.receiver.holds("a") and dec.receiver.holds("b") and dec.deferred == [Abort("nobody")]
-        for _ in range(40):  # one step of 12 s (four leases), a layer each 0.3 s
-            pair.clock.advance(0.3)
-            dec.between_layers()
-        for dest, msg in dec.link.take_peer():  # the Renews reach the prefill rank after the step
-            pair.prefill.link.inbox.put(PeerMessage(b"decode-0", msg))
-        pair.generate("c", prompt)
-        for _ in range(20):
-            pair.turn(deliver=False)
-            if len(pair.handoffs) == 3:
-                break
-        hc = pair.handoffs[2]
-        dec.link.inbox.put(PEERS)
-        dec.link.inbox.put(PeerMessage(PREFILL_ID, hc, pair.clock()))  # behind Peers: waits
-        dec.between_layers()
-        assert dec.deferred == [PEERS, PeerMessage(PREFILL_ID, hc, pair.clock())] and not dec.receiver.holds("c")
-        for p in (pair, ref):
-            for _ in range(40):
-                p.turn()
-                if p.finished() and p.idle():
-                    break
-        assert not pair.errors() and pair.sender.released == 3 and not dec.deferred
-        assert pair.tokens() == ref.tokens() and len(pair.tokens()["a"]) == 10
-    finally:
-        pair.close()
-        ref.close()
-
-
 def test_abort_while_prefilling_and_while_pulling_frees_both_sides(tiny_model_dir):
     pair = Pair(tiny_model_dir("llama"), auto=False)
     try:

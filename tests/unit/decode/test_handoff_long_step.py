@@ -1,0 +1,61 @@
+"""A decode rank's step longer than a handoff lease (prompts the router placed on it, in
+float32 on a shared core): between the step's layers the rank takes the Handoffs that arrived
+and renews what it holds (decode/rank.py DecodeLoop.between_layers). The Pair of
+test_handoff_loops.py: real tiny engines, a fake transfer backend and router link."""
+from __future__ import annotations
+
+from cluster.protocol.router_rank import Abort
+from rank_runtime.peer_link import PeerMessage
+from tests.unit.decode.test_handoff_loops import PEERS, PREFILL_ID, Pair
+from tests.unit.engine.test_engine_tiny import _prompts
+
+
+def test_a_step_longer_than_the_lease_takes_handoffs_and_renews_them_between_its_layers(tiny_model_dir):
+    """A decode rank's step can outlast a lease (prompts the router placed on it, in float32 on
+    a shared core). Between its layers it takes the Handoffs that arrived and renews what it
+    holds, so nothing fails; every other message waits for the step's end, in order, and so
+    does a Handoff behind one that is not a Generate or an Abort."""
+    pair = Pair(tiny_model_dir("llama"), lease_s=3.0)
+    ref = Pair(tiny_model_dir("llama"))
+    try:
+        prompt = _prompts((37,))[0]
+        for p in (pair, ref):
+            for rid in "ab":
+                p.generate(rid, prompt)
+        ref.generate("c", prompt)
+        for _ in range(20):
+            pair.turn(deliver=False)
+            if len(pair.handoffs) == 2:
+                break
+        ha, hb = pair.handoffs
+        dec = pair.decode
+        dec.link.inbox.put(PeerMessage(PREFILL_ID, ha, pair.clock()))
+        dec.link.inbox.put(Abort("nobody"))
+        dec.link.inbox.put(PeerMessage(PREFILL_ID, hb, pair.clock()))
+        dec.between_layers()  # "a" and "b" join the queue; the Abort waits
+        assert dec.receiver.holds("a") and dec.receiver.holds("b") and dec.deferred == [Abort("nobody")]
+        for _ in range(40):  # one step of 12 s (four leases), a layer each 0.3 s
+            pair.clock.advance(0.3)
+            dec.between_layers()
+        for dest, msg in dec.link.take_peer():  # the Renews reach the prefill rank after the step
+            pair.prefill.link.inbox.put(PeerMessage(b"decode-0", msg))
+        pair.generate("c", prompt)
+        for _ in range(20):
+            pair.turn(deliver=False)
+            if len(pair.handoffs) == 3:
+                break
+        hc = pair.handoffs[2]
+        dec.link.inbox.put(PEERS)
+        dec.link.inbox.put(PeerMessage(PREFILL_ID, hc, pair.clock()))  # behind Peers: waits
+        dec.between_layers()
+        assert dec.deferred == [PEERS, PeerMessage(PREFILL_ID, hc, pair.clock())] and not dec.receiver.holds("c")
+        for p in (pair, ref):
+            for _ in range(40):
+                p.turn()
+                if p.finished() and p.idle():
+                    break
+        assert not pair.errors() and pair.sender.released == 3 and not dec.deferred
+        assert pair.tokens() == ref.tokens() and len(pair.tokens()["a"]) == 10
+    finally:
+        pair.close()
+        ref.close()
