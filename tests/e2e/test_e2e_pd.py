@@ -312,9 +312,11 @@ def test_killed_prefill_rank_moves_its_requests_and_the_rest_serve(pd_shm, engin
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    # inflight (router-side, exact) or running (the rank's stats, sampled every 0.5 s)
-    pd_shm.wait_until(lambda: all(x["running"] or x["inflight"] for x in pd_shm.ranks().values()
-                                  if x["role"] == "prefill"), 30, "both prefill ranks prefilling")
+    # The router's inflight count is exact: a PD prefill rank holds a request until its first
+    # token. (The ranks' own running counts are sampled every 0.5 s, so one can still say 1
+    # after the rank has handed its request off.) One request on each prefill rank, then the kill.
+    pd_shm.wait_until(lambda: [x["inflight"] for x in pd_shm.ranks().values() if x["role"] == "prefill"] == [1, 1],
+                      30, "one request on each prefill rank")
     os.kill(pd_shm.ranks()["prefill-1"]["pid"], signal.SIGKILL)
     for t in threads:
         t.join(timeout=120)
@@ -322,7 +324,9 @@ def test_killed_prefill_rank_moves_its_requests_and_the_rest_serve(pd_shm, engin
     for r in results:
         choice = r.json()["choices"][0]
         assert choice["token_ids"] == reference(engine, choice["prompt_token_ids"], 2).new_token_ids
-    assert 'pdserve_migrations_total{cause="exited",role="prefill"} 1.0' in httpx.get(pd_shm.url + "/metrics").text
+    moved = [ln for ln in httpx.get(pd_shm.url + "/metrics").text.splitlines()
+             if ln.startswith("pdserve_migrations_total{") and 'role="prefill"' in ln]
+    assert moved == ['pdserve_migrations_total{cause="exited",role="prefill"} 1.0'], moved
     got = completion(pd_shm, prompts(engine)[0], 4)
     assert got["headers"]["x-pdserve-rank"] == "prefill-0"
     pd_shm.wait_until(lambda: idle(pd_shm), 20, "survivors idle")
