@@ -29,6 +29,11 @@ class RouterConfig:
                                      "from cost curves and queue depths (pd_server/disagg.py)")
     disagg_costs: str = opt("", "cost curves (pd_tune.py measure JSON) for --disagg auto (default: "
                                 "bench/pdtune/costs/ for the served model, else built-in)")
+    decode_pack: int = opt(-1, "PD mode: a decode rank takes new requests until it holds this many before "
+                               "an idle decode rank gets one (fewer, larger decode batches: a step reads every "
+                               "weight once, so where ranks share cores one step of 8 rows costs less than two "
+                               "of 4); 0: spread by load; -1 (auto): the launcher sets 8 where its ranks' "
+                               "threads outnumber this host's cores, else 0")
     # ---- access and request limits (security.py, limits.py) ----
     # NOTE: repr=False keeps the key out of every log line and traceback that prints the config.
     api_key: str = field(default="", repr=False, metadata={"help": (
@@ -69,6 +74,8 @@ class RouterConfig:
             raise ValueError(f"rank_addr must be tcp:// or ipc://, got {self.rank_addr!r}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.decode_pack < -1:
+            raise ValueError(f"decode_pack must be >= -1, got {self.decode_pack}")
         if self.disagg not in DISAGG_MODES:
             raise ValueError(f"disagg must be one of {DISAGG_MODES}, got {self.disagg!r}")
         for name in ("body_timeout_s", "header_timeout_s", "grammar_timeout_s", "keep_alive_s"):

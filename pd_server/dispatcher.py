@@ -128,7 +128,7 @@ class Dispatcher:
             if self.cfg.disagg == "never":  # decode ranks serve as colocated ones: routed by the policy
                 decode = pick_rank(self.registry, self.policy, route, "decode", cap)
             else:
-                decode = pick_decode_rank(self.registry, route, cap)
+                decode = pick_decode_rank(self.registry, route, cap, self.cfg.decode_pack)
             rank, placement, est = self.placer.place(decode, route, work, cap)
             if placement.local:
                 rank, decode = decode, None  # booked as a colocated request on the decode rank

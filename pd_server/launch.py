@@ -194,6 +194,19 @@ def disagg_costs_for_dtype(cfg: RouterConfig, launch: LaunchConfig, engine_cfg) 
     return cfg if found.source == "builtin" else replace(cfg, disagg_costs=found.source)
 
 
+DECODE_PACK = 8  # --decode-pack auto where the ranks share cores (docs/results/mission.md run 9)
+
+
+def decode_pack_for_host(cfg: RouterConfig, launch: LaunchConfig, threads: int, cores: int) -> RouterConfig:
+    """--decode-pack auto (-1): DECODE_PACK where this launcher's PD ranks' threads outnumber the
+    cores they run on (their decode ranks time-share cores, so two small decode batches cost
+    more than one larger one and buy no parallelism), else 0 (spread by load); a set value stays."""
+    if cfg.decode_pack >= 0:
+        return cfg
+    shared = launch.pd and not launch.ray and launch.num_ranks * max(1, threads) > cores
+    return replace(cfg, decode_pack=DECODE_PACK if shared else 0)
+
+
 async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, model_dir: Path, model_name: str,
                 handoff: HandoffConfig | None = None) -> None:
     """Run the router and its ranks until a signal; `model_dir` is the resolved checkpoint
@@ -358,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
                  launch.decode, handoff.transfer, handoff.handoff_lease_s)
     if engine_cfg.num_threads == 0:
         engine_cfg = replace(engine_cfg, num_threads=max(1, len(host_cpus()) // max(1, launch.num_ranks)))
-    log.info("%d rank(s), %d torch thread(s) each, %s", launch.num_ranks, engine_cfg.num_threads, engine_cfg.dtype)
+    cfg = decode_pack_for_host(cfg, launch, engine_cfg.num_threads, len(host_cpus()))
+    log.info("%d rank(s), %d torch thread(s) each, %s%s", launch.num_ranks, engine_cfg.num_threads, engine_cfg.dtype,
+             f"; decode ranks filled {cfg.decode_pack} requests at a time (--decode-pack)" if cfg.decode_pack else "")
     engine_cfg, handoff = _pools_for_dtype(engine_cfg, handoff, argv if argv is not None else sys.argv[1:])
 
     from engine.model_cache import cached_model_dir, served_name

@@ -127,10 +127,16 @@ def make_policy(name: str) -> RoutingPolicy:
     return POLICIES[name]()
 
 
-def pick_decode_rank(registry: RankRegistry, req: RouteRequest, max_inflight: int) -> Rank:
+def pick_decode_rank(registry: RankRegistry, req: RouteRequest, max_inflight: int, pack: int = 0) -> Rank:
     """The decode rank for a PD request: fewest requests in flight as the router counts them
     (exact, and counts requests still prefilling for it), then fewest KV pages used and
-    running sequences from its last stats. Raises APIError like pick_rank."""
+    running sequences from its last stats. Raises APIError like pick_rank.
+
+    `pack` > 0 (--decode-pack): fill one rank first. Among ranks already holding requests that
+    stay within `pack` with this one, the fullest takes it; only when none can does the least
+    loaded (an idle rank, or one past `pack` once every rank is) take it. Each decode step reads
+    every weight once, however many rows it runs, so where the ranks share cores one step of 8
+    rows costs less CPU than two of 4, and the idle rank lends its core (core_board.py)."""
     live = registry.live("decode")
     if not live:
         state = "still loading" if registry.status == "loading" else "not available"
@@ -143,6 +149,10 @@ def pick_decode_rank(registry: RankRegistry, req: RouteRequest, max_inflight: in
         s = r.stats
         return (len(r.inflight), s.pages_used if s else 0, s.running if s else 0, r.routed, r.index)
 
+    if pack > 0:
+        filling = [r for r in room if r.inflight and len(r.inflight) + req.num_seqs <= pack]
+        if filling:
+            return min(filling, key=lambda r: (-len(r.inflight), *load(r)[1:]))
     return min(room, key=load)
 
 

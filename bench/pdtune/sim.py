@@ -7,7 +7,9 @@ A request's life, mirroring the router and ranks:
   2. Router: colocated -> a colocated rank; PD -> a prefill rank and a decode rank at once.
      Ranks that prefill are chosen cache-aware (pd_server/routing.py CacheAware: the largest
      hit_tokens - load_tokens * in-flight, ties to the least loaded, then the lowest index);
-     decode ranks by fewest in flight. A prefill rank stops counting a PD request at its
+     decode ranks by fewest in flight (the router's --decode-pack 0: its fill-one-rank-first
+     rule pays where ranks time-share cores, which this simulation, a rank per core share,
+     does not model). A prefill rank stops counting a PD request at its
      first token, a decode or colocated rank at its end.
   3. Rank that prefills: continuous batching like engine/scheduler.py: each step, running
      sequences (oldest first) get their next tokens (1 when decoding, a chunk of the prompt

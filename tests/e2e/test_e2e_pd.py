@@ -55,7 +55,10 @@ def pd_shm(tmp_path_factory):
                           ["--prefill", "2", "--decode", "2", "--transfer", "shm",
                            # Prefix cache off, as the module docstring says (the launcher's default is on;
                            # with it, cache-aware routing sends shared-prefix prompts to one rank).
-                           "--hicache-size-gb", "0", *HANDOFF], timeout=420)
+                           "--hicache-size-gb", "0",
+                           # Spread by load: the kill tests hold a stream on each decode rank (on a host
+                           # with fewer cores than ranks the launcher's default fills one rank first).
+                           "--decode-pack", "0", *HANDOFF], timeout=420)
     pids = [r["pid"] for r in system.ranks().values()]
     try:
         yield system

@@ -115,6 +115,42 @@ def test_decode_rank_by_inflight_then_pages(disp):
     assert e.value.status == 429
 
 
+def test_decode_pack_fills_one_rank_before_the_next_gets_any(disp):
+    """--decode-pack 3: the fullest rank with room under 3 takes each request; an idle rank
+    only when none has; past 3 on every rank, the least loaded again."""
+    reg = disp.registry
+    d0, d1 = reg.live("decode")
+    picks = []
+    for i in range(8):
+        r = pick_decode_rank(reg, REQ, 8, pack=3)
+        r.inflight.add(f"r{i}")
+        picks.append(r.name)
+    assert picks == ["decode-0"] * 3 + ["decode-1"] * 3 + ["decode-0", "decode-1"]
+    d0.inflight, d1.inflight = {"a", "b"}, {"c"}
+    assert pick_decode_rank(reg, REQ, 8, pack=3) is d0  # the fuller one, though it holds more
+    assert pick_decode_rank(reg, RouteRequest([1], 2), 8, pack=3) is d1  # n=2 fits under 3 only there
+    d0.inflight = set()
+    assert pick_decode_rank(reg, REQ, 8, pack=3) is d1  # not the idle one
+    assert pick_decode_rank(reg, REQ, 8, pack=0) is d0  # spread by load
+
+
+def test_decode_pack_auto_only_where_the_launchers_ranks_share_cores():
+    from pd_server.launch import DECODE_PACK, LaunchConfig, decode_pack_for_host
+
+    auto = RouterConfig()
+    assert auto.decode_pack == -1
+    pd22, pd11 = LaunchConfig(prefill=2, decode=2), LaunchConfig(prefill=1, decode=1)
+    assert decode_pack_for_host(auto, pd22, 1, 2).decode_pack == DECODE_PACK  # 4 ranks on 2 cores
+    assert decode_pack_for_host(auto, pd11, 1, 2).decode_pack == 0  # one core each
+    assert decode_pack_for_host(auto, pd22, 1, 4).decode_pack == 0
+    assert decode_pack_for_host(auto, pd22, 2, 4).decode_pack == DECODE_PACK
+    assert decode_pack_for_host(auto, LaunchConfig(colocated=4), 1, 2).decode_pack == 0  # no decode ranks
+    assert decode_pack_for_host(RouterConfig(decode_pack=0), pd22, 1, 2).decode_pack == 0  # a set value stays
+    assert decode_pack_for_host(RouterConfig(decode_pack=5), pd11, 1, 2).decode_pack == 5
+    with pytest.raises(ValueError):
+        RouterConfig(decode_pack=-2)
+
+
 def test_generate_names_the_decode_rank_and_tokens_arrive_in_order(disp):
     disp.take()
     h = disp.submit("req", sampling(), REQ, 0.0)
