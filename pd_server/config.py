@@ -32,8 +32,9 @@ class RouterConfig:
     decode_pack: int = opt(-1, "PD mode: a decode rank takes new requests until it holds this many before "
                                "an idle decode rank gets one (fewer, larger decode batches: a step reads every "
                                "weight once, so where ranks share cores one step of 8 rows costs less than two "
-                               "of 4); 0: spread by load; -1 (auto): the launcher sets 8 where its ranks' "
-                               "threads outnumber this host's cores, else 0")
+                               "of 4); 0: spread by load; -1 (auto): the launcher sets 8 where it starts "
+                               "several decode ranks and its ranks' threads outnumber this host's cores, "
+                               "else 0")
     # ---- access and request limits (security.py, limits.py) ----
     # NOTE: repr=False keeps the key out of every log line and traceback that prints the config.
     api_key: str = field(default="", repr=False, metadata={"help": (

@@ -198,12 +198,13 @@ DECODE_PACK = 8  # --decode-pack auto where the ranks share cores (docs/results/
 
 
 def decode_pack_for_host(cfg: RouterConfig, launch: LaunchConfig, threads: int, cores: int) -> RouterConfig:
-    """--decode-pack auto (-1): DECODE_PACK where this launcher's PD ranks' threads outnumber the
-    cores they run on (their decode ranks time-share cores, so two small decode batches cost
-    more than one larger one and buy no parallelism), else 0 (spread by load); a set value stays."""
+    """--decode-pack auto (-1): DECODE_PACK where this launcher starts several decode ranks and its
+    ranks' threads outnumber the cores they run on (the decode ranks time-share cores, so two
+    small decode batches cost more than one larger one and buy no parallelism), else 0 (spread
+    by load; with one decode rank there is nothing to choose); a set value stays."""
     if cfg.decode_pack >= 0:
         return cfg
-    shared = launch.pd and not launch.ray and launch.num_ranks * max(1, threads) > cores
+    shared = launch.pd and launch.decode > 1 and not launch.ray and launch.num_ranks * max(1, threads) > cores
     return replace(cfg, decode_pack=DECODE_PACK if shared else 0)
 
 

@@ -142,6 +142,8 @@ def test_decode_pack_auto_only_where_the_launchers_ranks_share_cores():
     pd22, pd11 = LaunchConfig(prefill=2, decode=2), LaunchConfig(prefill=1, decode=1)
     assert decode_pack_for_host(auto, pd22, 1, 2).decode_pack == DECODE_PACK  # 4 ranks on 2 cores
     assert decode_pack_for_host(auto, pd11, 1, 2).decode_pack == 0  # one core each
+    assert decode_pack_for_host(auto, pd11, 2, 2).decode_pack == 0  # shared cores, but one decode rank
+    assert decode_pack_for_host(auto, LaunchConfig(prefill=2, decode=1), 1, 2).decode_pack == 0
     assert decode_pack_for_host(auto, pd22, 1, 4).decode_pack == 0
     assert decode_pack_for_host(auto, pd22, 2, 4).decode_pack == DECODE_PACK
     assert decode_pack_for_host(auto, LaunchConfig(colocated=4), 1, 2).decode_pack == 0  # no decode ranks
