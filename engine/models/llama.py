@@ -134,8 +134,13 @@ class LlamaDecodePlan:
 
     @classmethod
     def build(cls, model: DecoderLM) -> LlamaDecodePlan | None:
-        """The plan, or None where some layer would take another path than these kernels."""
+        """The plan, or None where some layer would take another path than these kernels (float32
+        models: llama_plan_f32.py's plan, for their decode steps)."""
         cfg = model.cfg
+        if model.device.type == "cpu" and model.embed_tokens.weight.dtype == torch.float32:
+            from engine.models.llama_plan_f32 import LlamaDecodePlanF32  # decode steps of float32 models
+
+            return LlamaDecodePlanF32.build(model)
         if (model.device.type != "cpu" or model.embed_tokens.weight.dtype != torch.bfloat16 or not model.layers
                 or cfg.head_dim % 32 or cfg.head_dim > 512 or not small_linear_available()
                 or not fused_rotary_available() or not fused_act_available() or not rms_norm.available()):

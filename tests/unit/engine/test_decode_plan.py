@@ -178,8 +178,45 @@ def test_plan_is_rebuilt_when_a_weight_changes(engine):
 
 def test_no_plan_off_the_kernels(monkeypatch):
     monkeypatch.setattr("engine.models.llama.small_linear_available", lambda: False)  # as without AVX512-BF16
-    eng = LLMEngine(EngineConfig(num_threads=1, kv_cache_gb=0.05, max_num_batched_tokens=256))
+    eng = LLMEngine(EngineConfig(dtype="bfloat16", num_threads=1, kv_cache_gb=0.05, max_num_batched_tokens=256))
     try:
         assert eng.runner.model.decode_plan() is None
+    finally:
+        eng.close()
+
+
+def test_float32_plan_matches_the_modules_bit_for_bit():
+    """float32 (CPUs without AVX512-BF16): steps of decode rows only, up to the quant-copy
+    kernel's 16, take llama_plan_f32.py's plan; steps with prompt chunks and larger batches go
+    through the modules; the bits are the modules' either way; a weight changed in place loses
+    its quant copy, and the model its plan."""
+    from engine.models.llama_plan_f32 import LlamaDecodePlanF32
+
+    eng = LLMEngine(EngineConfig(dtype="float32", num_threads=1, kv_cache_gb=0.1, max_num_batched_tokens=512))
+    try:
+        model = eng.runner.model
+        plan = model.decode_plan()
+        if plan is None:
+            pytest.skip("no float32 plan here (needs the AVX2 quant-copy kernel)")
+        assert isinstance(plan, LlamaDecodePlanF32)
+        g = torch.Generator().manual_seed(8)
+        prompts = [torch.randint(100, 30000, (n,), generator=g).tolist() for n in (70, 300, 5, 130)]
+        calls = []
+        orig = LlamaDecodePlanF32.run
+        LlamaDecodePlanF32.run = lambda self, model, fb, pool: calls.append(fb.num_tokens) or orig(self, model, fb, pool)
+        try:
+            planned = _run(eng, prompts, use_plan=True)
+            assert calls == [4] * 7 + [3] * 3 + [2] * 3 + [1] * 3  # every decode step, none with a prompt
+            assert planned == _run(eng, prompts, use_plan=False)
+            calls.clear()
+            many = [torch.randint(100, 30000, (5 + i,), generator=g).tolist() for i in range(20)]
+            planned = _run(eng, many, use_plan=True)  # 20 rows: the modules, until 16 are left
+            assert calls and max(calls) == 16
+            assert planned == _run(eng, many, use_plan=False)
+        finally:
+            LlamaDecodePlanF32.run = orig
+        w = model.layers[2].mlp.down_proj.weight
+        w.mul_(1)  # in place: the Linear drops its quant copy, so that layer takes torch's GEMM again
+        assert model.layers[2].mlp.down_proj.quant_weight() is None and model.decode_plan() is None
     finally:
         eng.close()
