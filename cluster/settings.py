@@ -39,7 +39,10 @@ TEST_DEVICE = Setting("PDSERVE_TEST_DEVICE", "cpu", "the device the model tests 
 AIPERF_SERVER_METRICS = Setting("PDSERVE_AIPERF_SERVER_METRICS", "0",
                                 "`1` lets aiperf scrape the server's /metrics during a replay (off: it perturbs "
                                 "the run)")
-SETTINGS = (CACHE_DIR, KERNELS, API_KEY, CLUSTER_SECRET, NODE, FAULT, TEST_DEVICE, AIPERF_SERVER_METRICS)
+STEP_LOG = Setting("PDSERVE_STEP_LOG", "", "a directory: every rank appends a line per engine step to "
+                   "`<role>-<index>-<pid>.steps` there (rank_runtime/step_log.py; bench/step_log.py reads them); "
+                   "for diagnosis, unset in production")
+SETTINGS = (CACHE_DIR, KERNELS, API_KEY, CLUSTER_SECRET, NODE, FAULT, TEST_DEVICE, AIPERF_SERVER_METRICS, STEP_LOG)
 
 
 def _get(s: Setting, environ: Mapping[str, str] | None = None) -> str:
@@ -49,6 +52,12 @@ def _get(s: Setting, environ: Mapping[str, str] | None = None) -> str:
 def cache_dir() -> Path:
     """Root of the on-disk caches: $PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
     return Path(_get(CACHE_DIR) or Path.home() / ".cache" / "pdserve")
+
+
+def step_log_dir() -> Path | None:
+    """$PDSERVE_STEP_LOG as a directory, or None when unset."""
+    v = _get(STEP_LOG)
+    return Path(v).expanduser() if v else None
 
 
 def kernels() -> Literal["native", "torch"]:

@@ -87,6 +87,7 @@ class LLMEngine(StepBounds):
             self.load_phases["hicache"] = time.perf_counter() - t
         # The last step's rows not yet written through to the host cache (flush_write_through).
         self._unstored: list[tuple[Sequence, int]] = []
+        self.last_step = (0, 0)  # the last step's (decode rows, prompt tokens computed)
 
     @functools.cached_property
     def tokenizer(self):
@@ -238,6 +239,8 @@ class LLMEngine(StepBounds):
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
+        dec = sum(k for s, k in sched.scheduled if s.decodes(k))  # (decode rows, prompt tokens): a rank's step log
+        self.last_step = (dec, sum(k for _, k in sched.scheduled) - dec)
         rows, out = self.runner.execute(sched.scheduled)
         if self.hicache is not None:
             # Written through by flush_write_through, or row by row before a row's pages go

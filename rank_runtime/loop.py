@@ -64,6 +64,7 @@ class RankLoop:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.board = None  # a rank_runtime.core_board.CoreBoard: idle cores of this host's ranks, lent per step
+        self.step_log = None  # a rank_runtime.step_log.StepLog ($PDSERVE_STEP_LOG), set by serve()
         self._cache = getattr(engine, "hicache", None) if self.ships_cache_events else None
         if self._cache is not None:
             self._cache.record_events = True
@@ -110,6 +111,8 @@ class RankLoop:
         if self.board is not None:  # (a step of many rows takes idle peers' cores before they settle)
             rows, b = eng.next_step_rows(), self.board  # (something runs: has_unfinished)
             b.busy(eng.next_step_invariant(rows), rows > b.eager_rows)
+        if self.step_log is not None:
+            self.step_log.begin()
         try:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank
@@ -117,6 +120,8 @@ class RankLoop:
             self.fail_all(f"engine failure on this rank: {type(e).__name__}: {e}")
             return
         self.steps += 1
+        if self.step_log is not None:
+            self.step_log.end(*eng.last_step, self.board.threads if self.board is not None else 0)
         self._ship_cache_events()  # before the tokens: a client's next turn finds the index current
         self.on_outputs(outs)
         try:  # running prompts' pages to the host cache, once their tokens have left

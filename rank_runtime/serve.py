@@ -109,6 +109,12 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
                  + (" of decode rows only" if engine is not None and engine.invariant_steps()[1] else ""))
     if engine is not None:
         engine.runner.model.between_layers = loop.between_layers
+        if settings.step_log_dir() is not None:
+            from rank_runtime.step_log import StepLog
+
+            loop.step_log = StepLog(settings.step_log_dir(), cfg.role, cfg.index)
+            closers = (*closers, loop.step_log.close)
+            log.info("step log: %s", loop.step_log.path)
     link.start()
     try:
         loop.run(link)
