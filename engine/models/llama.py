@@ -84,6 +84,38 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def plain_layers(model: DecoderLM, linear_ok) -> bool:
+    """What a step plan needs of every layer: a LlamaDecoderLayer with RMSNorms, no q/k norm, no
+    sliding window, and `linear_ok(lin)` for each of its four linears."""
+    for layer in model.layers:
+        a = layer.self_attn
+        if (not isinstance(layer, LlamaDecoderLayer) or a.q_norm is not None or a.attn.sliding
+                or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm):
+            return False
+        if not all(linear_ok(lin) for lin in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+            return False
+    return True
+
+
+def plan_weights(model: DecoderLM) -> list[tuple[dict, str, torch.Tensor, int]]:
+    """Every weight (and q|k|v bias) a step plan holds, as (owner's parameter dict, name, tensor,
+    version): weights_current() is then a dict look-up a weight, not nn.Module.__getattr__."""
+    out = []
+    for layer in model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        for mod in (layer.input_layernorm, layer.post_attention_layernorm, a.qkv_proj, a.o_proj,
+                    mlp.gate_up_proj, mlp.down_proj):
+            out.append((mod._parameters, "weight", mod.weight, mod.weight._version))
+        if a.qkv_proj.bias is not None:
+            out.append((a.qkv_proj._parameters, "bias", a.qkv_proj.bias, a.qkv_proj.bias._version))
+    return out
+
+
+def weights_current(weights: list[tuple[dict, str, torch.Tensor, int]]) -> bool:
+    """No weight of plan_weights()' list was replaced or changed in place since."""
+    return all(params.get(name) is w and w._version == v for params, name, w, v in weights)
+
+
 class LlamaDecodePlan:
     """A step of a Llama-family model as one flat loop over the CPU kernels.
 
@@ -102,8 +134,7 @@ class LlamaDecodePlan:
 
     def __init__(self, model: DecoderLM) -> None:
         self.layers = []
-        # (owner's parameter dict, name, tensor, version): a dict look-up, not nn.Module.__getattr__
-        self.weights: list[tuple[dict, str, torch.Tensor, int]] = []
+        self.weights = plan_weights(model)
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
             gu = mlp.gate_up_proj
@@ -117,11 +148,6 @@ class LlamaDecodePlan:
                 mlp.down_proj.weight, mlp.down_proj.packed_weight(), mlp.down_proj.gemm_weight(), mlp.gelu,
                 a.attn.layer_id, a.attn.scale, a.layer_type, gu.gated(),
                 a.qkv_proj.quant_weight(), a.o_proj.quant_weight(), gu.quant_weight(), mlp.down_proj.quant_weight()))
-            for mod in (layer.input_layernorm, layer.post_attention_layernorm, a.qkv_proj, a.o_proj,
-                        mlp.gate_up_proj, mlp.down_proj):
-                self.weights.append((mod._parameters, "weight", mod.weight, mod.weight._version))
-            if a.qkv_proj.bias is not None:
-                self.weights.append((a.qkv_proj._parameters, "bias", a.qkv_proj.bias, a.qkv_proj.bias._version))
         self.h, self.kvh, self.d = model.layers[0].self_attn.h, model.layers[0].self_attn.kvh, model.cfg.head_dim
         self.max_rows = gemm_rows()  # Linear's kernel takes batches up to this; larger ones take torch's GEMM
         self.gated_amx_rows = amx_gemm_rows() or sys.maxsize  # from here a gated copy runs fused on the AMX GEMM
@@ -147,20 +173,14 @@ class LlamaDecodePlan:
             return None
         if any(r.cos.dtype != torch.bfloat16 for r in model.rotary.values()):
             return None
-        for layer in model.layers:
-            a = layer.self_attn
-            if (not isinstance(layer, LlamaDecoderLayer) or a.q_norm is not None or a.attn.sliding
-                    or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm):
-                return None
-            for lin in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                if lin.weight.dtype != torch.bfloat16 or not lin.weight.is_contiguous():
-                    return None
+        if not plain_layers(model, lambda lin: lin.weight.dtype == torch.bfloat16 and lin.weight.is_contiguous()):
+            return None
         paged_attention._load_ops()
         return cls(model)
 
     def current(self) -> bool:
         """No weight the plan holds was replaced or changed in place since it was built."""
-        return all(params.get(name) is w and w._version == v for params, name, w, v in self.weights)
+        return weights_current(self.weights)
 
     def run(self, model: DecoderLM, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """DecoderLM.forward for a step that takes(): hidden states of fb.logits_indices' rows."""

@@ -23,6 +23,7 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVPool
 from engine.layers.norm import RMSNorm
+from engine.models.llama import plain_layers, plan_weights, weights_current
 from native import paged_attention, rms_norm
 from native.activation import act_and_mul_torch
 from native.quant_linear import QUANT_F32_ROWS, quant_f32_available
@@ -33,7 +34,7 @@ class LlamaDecodePlanF32:
 
     def __init__(self, model) -> None:
         self.layers = []
-        self.weights: list[tuple[dict, str, torch.Tensor, int]] = []
+        self.weights = plan_weights(model)
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.layers.append((
@@ -41,37 +42,24 @@ class LlamaDecodePlanF32:
                 a.o_proj.quant_weight(), layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
                 mlp.gate_up_proj.quant_weight(), mlp.down_proj.quant_weight(), mlp.gelu, a.attn.layer_id, a.attn.scale,
                 a.layer_type))
-            for mod in (layer.input_layernorm, layer.post_attention_layernorm, a.qkv_proj, a.o_proj,
-                        mlp.gate_up_proj, mlp.down_proj):
-                self.weights.append((mod._parameters, "weight", mod.weight, mod.weight._version))
-            if a.qkv_proj.bias is not None:
-                self.weights.append((a.qkv_proj._parameters, "bias", a.qkv_proj.bias, a.qkv_proj.bias._version))
         self.h, self.kvh, self.d = model.layers[0].self_attn.h, model.layers[0].self_attn.kvh, model.cfg.head_dim
 
     @classmethod
     def build(cls, model) -> LlamaDecodePlanF32 | None:
         """The plan, or None where some layer would take another path than these kernels."""
-        from engine.models.llama import LlamaDecoderLayer
-
         cfg = model.cfg
         if (model.device.type != "cpu" or model.embed_tokens.weight.dtype != torch.float32 or not model.layers
                 or cfg.head_dim % 32 or cfg.head_dim > 512 or not quant_f32_available() or not rms_norm.available()
                 or type(model.norm) is not RMSNorm):
             return None
-        for layer in model.layers:
-            a = layer.self_attn
-            if (not isinstance(layer, LlamaDecoderLayer) or a.q_norm is not None or a.attn.sliding
-                    or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm):
-                return None
-            for lin in (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                if lin.weight.dtype != torch.float32 or lin.quant_weight() is None:
-                    return None
+        if not plain_layers(model, lambda lin: lin.weight.dtype == torch.float32 and lin.quant_weight() is not None):
+            return None
         paged_attention._load_ops()
         return cls(model)
 
     def current(self) -> bool:
         """No weight the plan holds was replaced or changed in place since it was built."""
-        return all(params.get(name) is w and w._version == v for params, name, w, v in self.weights)
+        return weights_current(self.weights)
 
     @staticmethod
     def takes(fb: ForwardBatch) -> bool:
