@@ -112,7 +112,7 @@ class RankLoop:
             rows, b = eng.next_step_rows(), self.board  # (something runs: has_unfinished)
             b.busy(eng.next_step_invariant(rows), rows > b.eager_rows)
         if self.step_log is not None:
-            self.step_log.begin()
+            self.step_log.begin(self.board.threads if self.board is not None else 0)
         try:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank
@@ -121,7 +121,7 @@ class RankLoop:
             return
         self.steps += 1
         if self.step_log is not None:
-            self.step_log.end(*eng.last_step, self.board.threads if self.board is not None else 0)
+            self.step_log.end(*eng.last_step)
         self._ship_cache_events()  # before the tokens: a client's next turn finds the index current
         self.on_outputs(outs)
         try:  # running prompts' pages to the host cache, once their tokens have left

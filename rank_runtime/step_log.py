@@ -27,20 +27,21 @@ FIELDS = ("start", "decode_rows", "prompt_tokens", "wall_ms", "thread_ms", "proc
 
 
 class StepLog:
-    """One rank's log file. begin() before a step, end() after it, both on the engine thread."""
+    """One rank's log file. begin(threads) before a step (the threads it starts with), end() after
+    it, both on the engine thread."""
 
     def __init__(self, directory: str | Path, role: str, index: int) -> None:
         path = Path(directory) / f"{role}-{index}-{os.getpid()}{SUFFIX}"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._f = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
-        self._t = (0.0, 0.0, 0.0)
+        self._t = (0.0, 0.0, 0.0, 0)
 
-    def begin(self) -> None:
-        self._t = (time.time(), time.thread_time(), time.process_time())
+    def begin(self, threads: int) -> None:
+        self._t = (time.time(), time.thread_time(), time.process_time(), threads)
 
-    def end(self, decode_rows: int, prompt_tokens: int, threads: int) -> None:
-        w0, t0, p0 = self._t
+    def end(self, decode_rows: int, prompt_tokens: int) -> None:
+        w0, t0, p0, threads = self._t
         wall, thr, proc = time.time() - w0, time.thread_time() - t0, time.process_time() - p0
         self._f.write(f"{w0:.4f} {decode_rows} {prompt_tokens} {wall * 1e3:.2f} {thr * 1e3:.2f} "
                       f"{proc * 1e3:.2f} {threads}\n")

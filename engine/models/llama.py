@@ -99,7 +99,7 @@ def plain_layers(model: DecoderLM, linear_ok) -> bool:
 
 def plan_weights(model: DecoderLM) -> list[tuple[dict, str, torch.Tensor, int]]:
     """Every weight (and q|k|v bias) a step plan holds, as (owner's parameter dict, name, tensor,
-    version): weights_current() is then a dict look-up a weight, not nn.Module.__getattr__."""
+    version): weights_current() then takes a dict look-up per weight, not nn.Module.__getattr__."""
     out = []
     for layer in model.layers:
         a, mlp = layer.self_attn, layer.mlp
