@@ -87,7 +87,6 @@ class LLMEngine(StepBounds):
             self.load_phases["hicache"] = time.perf_counter() - t
         # The last step's rows not yet written through to the host cache (flush_write_through).
         self._unstored: list[tuple[Sequence, int]] = []
-        self.last_step = (0, 0)  # the last step's (decode rows, prompt tokens computed)
 
     @functools.cached_property
     def tokenizer(self):
@@ -239,8 +238,6 @@ class LLMEngine(StepBounds):
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        dec = sum(k for s, k in sched.scheduled if s.decodes(k))  # (decode rows, prompt tokens): a rank's step log
-        self.last_step = (dec, sum(k for _, k in sched.scheduled) - dec)
         rows, out = self.runner.execute(sched.scheduled)
         if self.hicache is not None:
             # Written through by flush_write_through, or row by row before a row's pages go
@@ -355,6 +352,11 @@ class LLMEngine(StepBounds):
     def _counter(self) -> int:
         LLMEngine._n += 1
         return LLMEngine._n
+
+    @property
+    def last_step(self) -> tuple[int, int]:
+        """The last step's (decode rows, prompt tokens computed; prefix hits excluded)."""
+        return self.runner.last_step
 
     def stats(self) -> dict:
         out = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

@@ -26,6 +26,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, model_dir) -> None:
         self.cfg = cfg
         self.device = cfg.torch_device
+        self.last_step = (0, 0)  # the last step's (decode rows, prompt tokens computed): a rank's step log
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
         if cfg.dtype == "float16" and self.device.type == "cpu":
@@ -86,6 +87,7 @@ class ModelRunner:
         """
         needs = [seq.num_computed + n == seq.num_tokens for seq, n in scheduled]
         fb = build_forward_batch(scheduled, self.cfg.page_size, self.pool.window, needs, self.device)
+        self.last_step = (fb.num_decode, fb.num_tokens - fb.num_decode)  # (decode rows, prompt tokens)
         matchers = [seq.matcher for (seq, _), need in zip(scheduled, needs) if need]
         masks = None
         if any(m is not None for m in matchers):  # the grammar masks, filled while the model runs

@@ -64,7 +64,7 @@ class LlamaDecodePlanF32:
     @staticmethod
     def takes(fb: ForwardBatch) -> bool:
         """Decode rows only, as many as the quant-copy kernel takes (else through the modules)."""
-        return not fb.prefills and fb.num_decode == fb.num_tokens <= QUANT_F32_ROWS
+        return not fb.prefills and fb.num_tokens <= QUANT_F32_ROWS
 
     def run(self, model, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """DecoderLM.forward for a step that takes(): hidden states of every row (each is sampled)."""
