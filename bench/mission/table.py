@@ -2,6 +2,7 @@
 
     rows = aggregate(runs)                  # runs: the run dicts bench/mission/cli.py writes
     text = markdown(summary)                # summary: {"runs": [...], "configs": [...], ...}
+    checks = goals(runs)                    # issue 36's goals for the default 2P2D, where measured
 
 A run is one start of one configuration in one repeat: {"config", "repeat", "startup_s" (float
 | None), "error", "loads": [{"load": "c8" | "agentx", "client": aiperf_client.Result.to_json()
@@ -10,6 +11,11 @@ the median of every metric over the repeats that measured it (requests and error
 sum); the start-up time is the configuration's median over its starts. Ratios divide a row's
 median by the reference configuration's at the same load (output tok/s: above 1 is more
 throughput; TTFT and ITL: below 1 is faster).
+
+The goals section (`goals`) checks issue 36's goals for the default 2P2D: each goal's ratio of
+medians decides it, and beside it the same ratio within each repeat (the configurations of one
+repeat run back to back, so a slow phase of the machine moves both sides less), which shows how
+far the repeats disagree.
 """
 from __future__ import annotations
 
@@ -91,6 +97,87 @@ def ratio(row: Row, ref: Row | None, metric: str) -> float | None:
     return None if a is None or not b else a / b
 
 
+# Issue 36's goals for the default `--prefill 2 --decode 2`: (load, metric, reference, target,
+# higher is better). The reference's row must be in the run for a goal to be checked.
+GOAL_CONFIG = "2P2D"
+GOALS = (
+    ("agentx", "out_tok_s", "colocated-2", 1.0, True),
+    ("agentx", "ttft_p50", "colocated-2", 1.1, False),
+    ("agentx", "itl_p99", "colocated-2", 0.5, False),
+    ("c8", "out_tok_s", "colocated-2", 0.95, True),
+    ("c32", "out_tok_s", "colocated-2", 0.95, True),
+    ("agentx", "out_tok_s", "vllm", 1.5, True),
+    ("agentx", "ttft_p99", "vllm", 0.8, False),
+    ("agentx", "itl_p99", "vllm", 0.3, False),
+)
+NOLEND = "2P2D-nolend"  # where run: the default never worse than it, at any load (tok/s >= 1.0x)
+MAX_WARM_START_S = 20.0
+_GOAL_HEAD = {"out_tok_s": "tok/s", "ttft_p50": "TTFT p50", "ttft_p99": "TTFT p99", "itl_p99": "ITL p99"}
+
+
+@dataclass
+class Goal:
+    what: str  # "AgentX ITL p99 / colocated-2", "warm start s", ...
+    target: str  # ">= 1.0x", "<= 20 s", "0"
+    value: float | None  # the ratio of medians (the start time, the error count)
+    per_repeat: list[float]  # the same within each repeat that measured both sides
+    met: bool | None  # None: not measured
+
+
+def _value(run: dict, load: str, metric: str) -> float | None:
+    for ld in run.get("loads", []):
+        if ld["load"] == load and ld.get("client"):
+            return _get(ld, METRICS[metric][0])
+    return None
+
+
+def goals(runs: list[dict]) -> list[Goal]:
+    """Issue 36's goals for GOAL_CONFIG, those whose rows this run has."""
+    rows = {(r.config, r.load): r for r in aggregate(runs)}
+    mine = [r for r in runs if r["config"] == GOAL_CONFIG]
+    if not mine:
+        return []
+
+    def paired(load: str, metric: str, ref: str) -> list[float]:
+        out = []
+        for run in mine:
+            other = [r for r in runs if r["config"] == ref and r["repeat"] == run["repeat"]]
+            a = _value(run, load, metric)
+            b = _value(other[0], load, metric) if other else None
+            if a is not None and b:
+                out.append(a / b)
+        return out
+
+    checks = []
+    goal_list = list(GOALS) + [(ld, "out_tok_s", NOLEND, 1.0, True) for (c, ld) in rows if c == NOLEND]
+    for load, metric, ref, target, higher in goal_list:
+        row, ref_row = rows.get((GOAL_CONFIG, load)), rows.get((ref, load))
+        if row is None or ref_row is None:
+            continue
+        v = ratio(row, ref_row, metric)
+        name = "AgentX" if load == "agentx" else load
+        checks.append(Goal(f"{name} {_GOAL_HEAD[metric]} / {ref}", f"{'>=' if higher else '<='} {target:.2f}x", v,
+                           paired(load, metric, ref),
+                           None if v is None else (v >= target if higher else v <= target)))
+    agentx = rows.get((GOAL_CONFIG, "agentx"))
+    if agentx is not None:
+        checks.append(Goal("AgentX errors", "0", float(agentx.errors), [], agentx.errors == 0))
+    start = median([r.get("startup_s") for r in mine[1:]] or [mine[0].get("startup_s")])
+    checks.append(Goal("warm start s (starts after the first)", f"<= {MAX_WARM_START_S:.0f} s", start, [],
+                       None if start is None else start <= MAX_WARM_START_S))
+    return checks
+
+
+def goals_table(checks: list[Goal]) -> str:
+    lines = ["| goal | target | measured | per repeat | met |", "|---|---|---:|---|---|"]
+    for g in checks:
+        unit = "{:.2f}x" if g.target.endswith("x") else "{:.1f}" if g.what.startswith("warm") else "{:.0f}"
+        lines.append(f"| {g.what} | {g.target} | {_f(g.value, unit)} | "
+                     f"{', '.join(unit.format(x) for x in g.per_repeat) or '-'} | "
+                     f"{'-' if g.met is None else 'yes' if g.met else '**no**'} |")
+    return "\n".join(lines)
+
+
 def _f(v: float | None, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -129,6 +216,12 @@ def markdown(summary: dict) -> str:
              "load; '-' where it exposes none). X / REF: this row's median over REF's at the same "
              "load (tok/s above 1 and TTFT/ITL below 1 are better).", "",
              table(rows, summary.get("ratio_to", [])), ""]
+    checks = goals(runs)
+    if checks:
+        lines += [f"Issue 36's goals for {GOAL_CONFIG} (the default): measured is the ratio of medians, per "
+                  "repeat the same ratio within each repeat (configurations of a repeat run back to back); "
+                  "the warm start is the median over the starts after the first.", "",
+                  goals_table(checks), ""]
     for r in runs:
         if r.get("error"):
             lines.append(f"- **{r['config']} repeat {r['repeat']}**: {r['error'].splitlines()[0]}")

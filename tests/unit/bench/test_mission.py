@@ -108,7 +108,8 @@ def test_markdown_has_one_table_with_ratio_columns_and_notes():
                "ratio_to": ["colocated-2", "vllm", "absent"], "runs": RUNS,
                "skipped": {"vllm-2": "no venv"}, "settings": {"repeats": 3, "levels": "8"}}
     text = table.markdown(summary)
-    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    first = text.split("\n\n| ")[1]  # the results table (the goals table follows it)
+    lines = ["| " + ln if i == 0 else ln for i, ln in enumerate(first.split("\n\n")[0].splitlines())]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head[:3] == ["config", "load", "start s"]
     assert head[-6:] == ["tok/s / colocated-2", "TTFT p50 / colocated-2", "ITL p50 / colocated-2",
@@ -124,6 +125,30 @@ def test_markdown_has_one_table_with_ratio_columns_and_notes():
     assert vx[head.index("prefix hit")] == "-" and vx[-3:] == ["-"] * 3
     assert "**colocated-2 repeat 2**: RuntimeError: pd_start.sh exited with 1" in text
     assert "vllm-2 skipped: no venv" in text
+
+
+def test_goals_check_the_default_2p2d_by_ratios_of_medians_with_paired_repeats():
+    got = {g.what: g for g in table.goals(RUNS)}
+    assert list(got) == ["AgentX tok/s / colocated-2", "AgentX TTFT p50 / colocated-2", "AgentX ITL p99 / colocated-2",
+                         "c8 tok/s / colocated-2", "AgentX tok/s / vllm", "AgentX TTFT p99 / vllm",
+                         "AgentX ITL p99 / vllm", "AgentX errors", "warm start s (starts after the first)"]  # no c32 rows
+    tok = got["AgentX tok/s / colocated-2"]
+    assert tok.value == pytest.approx(63 / 62) and tok.met and tok.target == ">= 1.00x"
+    assert tok.per_repeat == pytest.approx([66 / 60, 60 / 64])  # each repeat against its own repeat
+    assert got["AgentX TTFT p50 / colocated-2"].met is False  # 600 / 410
+    assert got["AgentX ITL p99 / colocated-2"].value == pytest.approx(42 / 50) and not got["AgentX ITL p99 / colocated-2"].met
+    c8 = got["c8 tok/s / colocated-2"]
+    assert c8.value == pytest.approx(135 / 105) and c8.per_repeat == pytest.approx([1.5, 120 / 110])  # repeat 2: no ref
+    assert got["AgentX TTFT p99 / vllm"].value == pytest.approx(1800 / 2700) and got["AgentX TTFT p99 / vllm"].met
+    assert got["AgentX ITL p99 / vllm"].met is False
+    assert got["AgentX errors"].value == 1 and got["AgentX errors"].met is False
+    warm = got["warm start s (starts after the first)"]
+    assert warm.value == 33.0 and warm.met is False and warm.target == "<= 20 s"  # median of 34, 32
+    nolend = RUNS + [_run("2P2D-nolend", 0, 30.0, [_load("c8", 140.0, 800.0, 15.0)])]
+    assert table.goals(nolend)[-3].what == "c8 tok/s / 2P2D-nolend"
+    assert table.goals([r for r in RUNS if r["config"] != "2P2D"]) == []
+    text = table.markdown({"runs": RUNS, "configs": ["2P2D", "colocated-2", "vllm"], "ratio_to": ["colocated-2"]})
+    assert "| AgentX ITL p99 / colocated-2 | <= 0.50x | 0.84x | 0.83x, 0.85x | **no** |" in text
 
 
 def test_vllm_prefix_counters_give_a_hit_rate():
