@@ -118,7 +118,7 @@ _GOAL_HEAD = {"out_tok_s": "tok/s", "ttft_p50": "TTFT p50", "ttft_p99": "TTFT p9
 @dataclass
 class Goal:
     what: str  # "AgentX ITL p99 / colocated-2", "warm start s", ...
-    target: str  # ">= 1.0x", "<= 20 s", "0"
+    target: str  # ">= 1.00x", "<= 20 s", "0"
     value: float | None  # the ratio of medians (the start time, the error count)
     per_repeat: list[float]  # the same within each repeat that measured both sides
     met: bool | None  # None: not measured
@@ -162,16 +162,18 @@ def goals(runs: list[dict]) -> list[Goal]:
     agentx = rows.get((GOAL_CONFIG, "agentx"))
     if agentx is not None:
         checks.append(Goal("AgentX errors", "0", float(agentx.errors), [], agentx.errors == 0))
-    start = median([r.get("startup_s") for r in mine[1:]] or [mine[0].get("startup_s")])
-    checks.append(Goal("warm start s (starts after the first)", f"<= {MAX_WARM_START_S:.0f} s", start, [],
-                       None if start is None else start <= MAX_WARM_START_S))
+    # the first start of a run may build kernels or convert the model: the warm start is the later ones
+    warm = len(mine) > 1
+    start = median([r.get("startup_s") for r in (mine[1:] if warm else mine)])
+    checks.append(Goal("warm start s (starts after the first)" if warm else "start s (one start, maybe cold)",
+                       f"<= {MAX_WARM_START_S:.0f} s", start, [], None if start is None else start <= MAX_WARM_START_S))
     return checks
 
 
 def goals_table(checks: list[Goal]) -> str:
     lines = ["| goal | target | measured | per repeat | met |", "|---|---|---:|---|---|"]
     for g in checks:
-        unit = "{:.2f}x" if g.target.endswith("x") else "{:.1f}" if g.what.startswith("warm") else "{:.0f}"
+        unit = "{:.2f}x" if g.target.endswith("x") else "{:.1f}" if " s" in g.target else "{:.0f}"
         lines.append(f"| {g.what} | {g.target} | {_f(g.value, unit)} | "
                      f"{', '.join(unit.format(x) for x in g.per_repeat) or '-'} | "
                      f"{'-' if g.met is None else 'yes' if g.met else '**no**'} |")

@@ -147,6 +147,8 @@ def test_goals_check_the_default_2p2d_by_ratios_of_medians_with_paired_repeats()
     nolend = RUNS + [_run("2P2D-nolend", 0, 30.0, [_load("c8", 140.0, 800.0, 15.0)])]
     assert table.goals(nolend)[-3].what == "c8 tok/s / 2P2D-nolend"
     assert table.goals([r for r in RUNS if r["config"] != "2P2D"]) == []
+    one = table.goals([r for r in RUNS if r["config"] != "2P2D" or r["repeat"] == 0])[-1]
+    assert (one.what, one.value) == ("start s (one start, maybe cold)", 30.0)
     text = table.markdown({"runs": RUNS, "configs": ["2P2D", "colocated-2", "vllm"], "ratio_to": ["colocated-2"]})
     assert "| AgentX ITL p99 / colocated-2 | <= 0.50x | 0.84x | 0.83x, 0.85x | **no** |" in text
 
