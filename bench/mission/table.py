@@ -131,9 +131,10 @@ def _value(run: dict, load: str, metric: str) -> float | None:
     return None
 
 
-def goals(runs: list[dict]) -> list[Goal]:
-    """Issue 36's goals for GOAL_CONFIG, those whose rows this run has."""
-    rows = {(r.config, r.load): r for r in aggregate(runs)}
+def goals(runs: list[dict], aggregated: list[Row] | None = None) -> list[Goal]:
+    """Issue 36's goals for GOAL_CONFIG, those whose rows this run has (`aggregated`: aggregate(runs)
+    where the caller has it already)."""
+    rows = {(r.config, r.load): r for r in (aggregate(runs) if aggregated is None else aggregated)}
     mine = [r for r in runs if r["config"] == GOAL_CONFIG]
     if not mine:
         return []
@@ -218,7 +219,7 @@ def markdown(summary: dict) -> str:
              "load; '-' where it exposes none). X / REF: this row's median over REF's at the same "
              "load (tok/s above 1 and TTFT/ITL below 1 are better).", "",
              table(rows, summary.get("ratio_to", [])), ""]
-    checks = goals(runs)
+    checks = goals(runs, rows)
     if checks:
         lines += [f"Issue 36's goals for {GOAL_CONFIG} (the default): measured is the ratio of medians, per "
                   "repeat the same ratio within each repeat (configurations of a repeat run back to back); "

@@ -108,8 +108,9 @@ def test_markdown_has_one_table_with_ratio_columns_and_notes():
                "ratio_to": ["colocated-2", "vllm", "absent"], "runs": RUNS,
                "skipped": {"vllm-2": "no venv"}, "settings": {"repeats": 3, "levels": "8"}}
     text = table.markdown(summary)
-    first = text.split("\n\n| ")[1]  # the results table (the goals table follows it)
-    lines = ["| " + ln if i == 0 else ln for i, ln in enumerate(first.split("\n\n")[0].splitlines())]
+    tables = [b.splitlines() for b in text.split("\n\n") if b.startswith("|")]
+    lines = tables[0]  # the results table; the goals table follows it
+    assert tables[1][0] == "| goal | target | measured | per repeat | met |"
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head[:3] == ["config", "load", "start s"]
     assert head[-6:] == ["tok/s / colocated-2", "TTFT p50 / colocated-2", "ITL p50 / colocated-2",
