@@ -3,6 +3,7 @@
     rows = aggregate(runs)                  # runs: the run dicts bench/mission/cli.py writes
     text = markdown(summary)                # summary: {"runs": [...], "configs": [...], ...}
     checks = goals(runs)                    # issue 36's goals for the default 2P2D, where measured
+    text = phases_table(rows, runs)         # where a request's time went, from the router's /metrics
 
 A run is one start of one configuration in one repeat: {"config", "repeat", "startup_s" (float
 | None), "error", "loads": [{"load": "c8" | "agentx", "client": aiperf_client.Result.to_json()
@@ -16,6 +17,12 @@ The goals section (`goals`) checks issue 36's goals for the default 2P2D: each g
 medians decides it, and beside it the same ratio within each repeat (the configurations of one
 repeat run back to back, so a slow phase of the machine moves both sides less), which shows how
 far the repeats disagree.
+
+The phases section (`phases_table`) explains the client's numbers from the router's side: each
+phase's mean per request (pd_server/metrics.py `phase_durations`; measure.py scrapes /metrics
+around the load), the median over the repeats. A PD request's second token waits for the
+handoff (stage, admission wait, transfer, first decode), which is spread over its inter-token
+gaps: "handoff ms/token" is that part of its mean ITL, "decode ms/token" the rest.
 """
 from __future__ import annotations
 
@@ -181,6 +188,32 @@ def goals_table(checks: list[Goal]) -> str:
     return "\n".join(lines)
 
 
+PHASES = ("queue", "prefill", "stage", "admission_wait", "transfer", "first_decode")
+HANDOFF = ("stage", "admission_wait", "transfer", "first_decode")
+
+
+def phases_table(rows: list[Row], runs: list[dict]) -> str:
+    """Per (configuration, load) whose server reported phases: the median over its repeats of each
+    phase's mean ms, and of the handoff's and the decode's ms a token of the mean ITL. "" if none."""
+    lines = []
+    for row in rows:
+        servers = [ld.get("server") or {} for r in runs if r["config"] == row.config
+                   for ld in r.get("loads", []) if ld["load"] == row.load and ld.get("client")]
+        means = [s.get("phase_mean_ms") or {} for s in servers]
+        per_token = [s.get("itl_phase_ms_per_token") or {} for s in servers]
+        if not any(means):
+            continue
+        cells = [median([m.get(p) for m in means]) for p in PHASES]
+        handoff = median([sum(t[p] for p in HANDOFF if p in t) if any(p in t for p in HANDOFF) else None
+                          for t in per_token])
+        cells += [handoff, median([t.get("decode") for t in per_token])]
+        lines.append(f"| {row.config} | {row.load} | " + " | ".join(_f(c, "{:.1f}") for c in cells) + " |")
+    if not lines:
+        return ""
+    head = ["config", "load", *(p.replace("_", " ") for p in PHASES), "handoff ms/token", "decode ms/token"]
+    return "\n".join(["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2), *lines])
+
+
 def _f(v: float | None, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -225,6 +258,13 @@ def markdown(summary: dict) -> str:
                   "repeat the same ratio within each repeat (configurations of a repeat run back to back); "
                   "the warm start is the median over the starts after the first.", "",
                   goals_table(checks), ""]
+    phases = phases_table(rows, runs)
+    if phases:
+        lines += ["Where a request's time went, from the router's `pdserve_phase_seconds` around each load: mean ms "
+                  "a request in each phase, median over the repeats (queue: router to rank; prefill: to the first "
+                  "token; PD only: stage, admission wait, transfer and first decode, the handoff before the decode "
+                  "rank's first token). Handoff and decode ms/token: their shares of the mean ITL.", "",
+                  phases, ""]
     for r in runs:
         if r.get("error"):
             lines.append(f"- **{r['config']} repeat {r['repeat']}**: {r['error'].splitlines()[0]}")

@@ -154,6 +154,32 @@ def test_goals_check_the_default_2p2d_by_ratios_of_medians_with_paired_repeats()
     assert "| AgentX ITL p99 / colocated-2 | <= 0.50x | 0.84x | 0.83x, 0.85x | **no** |" in text
 
 
+def test_phases_table_gives_medians_of_each_phase_and_the_handoffs_share_of_the_itl():
+    def with_phases(run: dict, means: dict, per_token: dict) -> dict:
+        for ld in run["loads"]:
+            ld["server"] = {"prefix_hit_rate": 0.8, "phase_mean_ms": means, "itl_phase_ms_per_token": per_token}
+        return run
+
+    pd = {"queue": 6.0, "prefill": 170.0, "stage": 5.0, "admission_wait": 8.0, "transfer": 18.0, "first_decode": 18.0,
+          "decode": 800.0}
+    runs = [with_phases(_run("2P2D", 0, 8.0, [_load("agentx", 80.0, 150.0, 15.0)]), pd,
+                        {"stage": 0.1, "admission_wait": 0.2, "transfer": 0.3, "first_decode": 0.4, "decode": 15.0}),
+            with_phases(_run("2P2D", 1, 8.0, [_load("agentx", 80.0, 150.0, 15.0)]), {**pd, "queue": 10.0},
+                        {"stage": 0.2, "admission_wait": 0.2, "transfer": 0.4, "first_decode": 0.4, "decode": 17.0}),
+            with_phases(_run("colocated-2", 0, 5.0, [_load("agentx", 80.0, 140.0, 15.0)]),
+                        {"queue": 9.0, "prefill": 150.0, "decode": 820.0}, {"decode": 16.0}),
+            _run("vllm", 0, 70.0, [_load("agentx", 50.0, 230.0, 44.0, 0.77)])]  # no phases: no row
+    rows = table.aggregate(runs)
+    lines = table.phases_table(rows, runs).splitlines()
+    assert lines[0] == ("| config | load | queue | prefill | stage | admission wait | transfer | first decode | "
+                        "handoff ms/token | decode ms/token |")
+    assert lines[2] == "| 2P2D | agentx | 8.0 | 170.0 | 5.0 | 8.0 | 18.0 | 18.0 | 1.1 | 16.0 |"  # 1.0 and 1.2
+    assert lines[3] == "| colocated-2 | agentx | 9.0 | 150.0 | - | - | - | - | - | 16.0 |"
+    assert len(lines) == 4
+    assert table.phases_table(table.aggregate(RUNS), RUNS) == ""  # servers without phases
+    assert lines[2] in table.markdown({"runs": runs, "configs": ["2P2D", "colocated-2", "vllm"]})
+
+
 def test_vllm_prefix_counters_give_a_hit_rate():
     before = server_metrics.parse('vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0\n'
                                   'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 10.0\n')
