@@ -214,11 +214,31 @@ class HandoffReceiver:
         for rid, exp in list(self._tombstones.items()):
             if exp <= now:
                 del self._tombstones[rid]
+        self._expire(now)
+        self._renew(now)
+        self._start_queued(now)
+        return done + self._poll()  # tiny reads finish inside read()
+
+    def start_queued(self) -> None:
+        """Within a step (between its layers): start the reads there is room for now, so that a
+        read runs beside the step and its request joins the next step (progress() at this step's
+        end commits it) instead of the one after. Reserving the pages mid-step is what the step's
+        end would do: a step allocates pages when it is scheduled, none while it runs. As in
+        progress(), handoffs whose lease this rank let run out fail first."""
+        if self.queue:
+            now = self.clock()
+            self._expire(now)
+            self._start_queued(now)
+
+    def _expire(self, now: float) -> None:
         for inc in [i for i in self.queue if now > i.lease_end]:  # this thread stalled past the lease
             self.queue.remove(inc)  # (the prefill rank may have released the pins already)
             self._fail(inc, 503, f"decode rank {self.name} stalled past the {inc.handoff.lease_s:.1f}s "
                                  "handoff lease; the KV was not read")
-        self._renew(now)
+
+    def _start_queued(self, now: float) -> None:
+        """Start reads from the queue's head while the engine has room (FCFS); fail the handoffs
+        that waited for room longer than wait_s."""
         while self.queue:
             inc = self.queue[0]
             if now > inc.wait_end:
@@ -233,7 +253,6 @@ class HandoffReceiver:
                 break  # FCFS: the head waits for room, the KV waits in the prefill's pool
             self.queue.popleft()
             self._start(inc, res)
-        return done + self._poll()  # tiny reads finish inside read()
 
     def renew_due(self) -> None:
         """Within a step (between its layers): send the Renews that are due. A step can outlast a

@@ -79,11 +79,13 @@ class DecodeLoop(RankLoop):
         super().drop_all(why)
 
     def between_layers(self) -> None:
-        """Within a step: Handoffs that arrived meanwhile join the receiver's queue, and the
-        leases due are renewed, so a step longer than a lease (several prompts the router placed
-        here, in float32 on a shared core) fails no handoff. Every other message waits for the
-        step's end, in order, and so does a Handoff behind one that is not a Generate or an
-        Abort (a PeerHello, Peers or RouterLost may change what it means)."""
+        """Within a step: Handoffs that arrived meanwhile join the receiver's queue and their
+        reads start where there is room (the read runs beside the step, and the request joins
+        the next step: a PD request's second token comes a step sooner), and the leases due are
+        renewed, so a step longer than a lease (several prompts the router placed here, in
+        float32 on a shared core) fails no handoff. Every other message waits for the step's
+        end, in order, and so does a Handoff behind one that is not a Generate or an Abort (a
+        PeerHello, Peers or RouterLost may change what it means)."""
         super().between_layers()
         inbox = None if self.link is None else self.link.inbox
         while inbox is not None and not inbox.empty():  # (no exception raised a layer when empty)
@@ -97,6 +99,7 @@ class DecodeLoop(RankLoop):
             else:
                 self.deferred.append(msg)
         self.receiver.renew_due()
+        self.receiver.start_queued()
 
     def between_steps(self) -> None:
         for c in self.receiver.progress():

@@ -59,3 +59,47 @@ def test_a_step_longer_than_the_lease_takes_handoffs_and_renews_them_between_its
     finally:
         pair.close()
         ref.close()
+
+
+def test_a_handoff_taken_between_layers_starts_its_read_and_joins_the_next_step(tiny_model_dir):
+    """A Handoff that arrives while the decode rank steps starts its read between the step's
+    layers (reads complete only when the fake backend is told, here: during the step), so the
+    step's end commits it and the next step already decodes it; the tokens are those of a pair
+    that took the handoff between steps."""
+    pair = Pair(tiny_model_dir("llama"), auto=False)
+    ref = Pair(tiny_model_dir("llama"))
+    try:
+        prompt = _prompts((37,))[0]
+        for p in (pair, ref):
+            p.generate("a", prompt)
+        for _ in range(20):  # "a" handed off and decoding
+            pair.turn()
+            pair.dec_backend.complete()
+            if pair.decode.engine.has_unfinished():
+                break
+        pair.generate("b", prompt)
+        for _ in range(20):
+            pair.turn(deliver=False)
+            pair.dec_backend.complete()
+            if len(pair.handoffs) == 2:
+                break
+        dec, hb = pair.decode, pair.handoffs[1]
+        reads = len(pair.dec_backend.reads)
+        dec.link.inbox.put(PeerMessage(PREFILL_ID, hb, pair.clock()))
+        dec.between_layers()  # within a step of "a"
+        assert "b" in dec.receiver.pulling and len(pair.dec_backend.reads) == reads + 1
+        pair.dec_backend.complete()  # the read ends before the step does
+        before = len(pair.tokens().get("b", []))
+        dec.run_once()  # the step's end commits "b"; this step decodes it
+        assert len(pair.tokens()["b"]) == before + 1
+        ref.generate("b", prompt)
+        for p in (pair, ref):
+            for _ in range(60):
+                p.turn()
+                p.dec_backend.complete()
+                if len(p.finished()) == 2 and p.idle():
+                    break
+        assert not pair.errors() and pair.tokens() == ref.tokens() and len(pair.tokens()["b"]) == 10
+    finally:
+        pair.close()
+        ref.close()
