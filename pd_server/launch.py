@@ -88,6 +88,9 @@ class LaunchConfig:
                                 "launcher's cpuset), pin each rank to disjoint cores; a rank borrowing idle "
                                 "ranks' cores runs on the whole cpuset meanwhile. With more ranks than cores "
                                 "nothing is pinned")
+    prefill_nice: int = opt(0, "PD mode: prefill ranks run this much nicer than decode ranks (0-19), so where "
+                               "they share cores the OS runs decode steps first (inter-token latency) and "
+                               "prompts on what is left")
     share_weights: bool = opt(True, "CPU ranks map one read-only copy of the weights (and the linear kernel's "
                                     "packed copies) from a file on tmpfs instead of each holding its own "
                                     "(engine/shared_weights.py)")
@@ -107,6 +110,8 @@ class LaunchConfig:
             raise ValueError("--fake-ranks runs colocated stand-ins only")
         if self.rank_start_timeout_s < 0 or self.max_restarts < 0 or self.restart_backoff_s < 0:
             raise ValueError("rank_start_timeout_s, max_restarts and restart_backoff_s must be >= 0")
+        if not 0 <= self.prefill_nice <= 19:
+            raise ValueError(f"prefill_nice must be in 0..19, got {self.prefill_nice}")
         if self.ray_placement not in ("spread", "pack"):
             raise ValueError(f"ray_placement must be spread or pack, got {self.ray_placement!r}")
         if self.ray and not self.num_ranks:
@@ -142,6 +147,8 @@ def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router
         home = home_cpus(slot, max(1, engine_cfg.num_threads), cpus, launch.num_ranks)
         if home:
             cmd += ["--cpus", ",".join(map(str, home))]
+    if role == "prefill" and launch.prefill_nice and not launch.fake_ranks:
+        cmd += ["--nice", str(launch.prefill_nice)]
     if role in ("prefill", "decode"):
         cmd += ["--host", launch.prefill_host if role == "prefill" else launch.decode_host]
         for f in fields(HandoffConfig):

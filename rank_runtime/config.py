@@ -36,6 +36,8 @@ class RankConfig:
                         "its threads may run on the whole cpuset it started with")
     lend_all: bool = opt(False, "with --core-board: larger steps borrow idle ranks' threads too (oneDNN's "
                                 "GEMM: their bits then depend on the thread count)")
+    nice: int = opt(0, "once loaded, raise the niceness of every thread of this rank by this much (0-19): the OS "
+                       "then gives its cores to the ranks at a lower niceness first when they share them")
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -48,6 +50,8 @@ class RankConfig:
             raise ValueError(f"host must be a plain IPv4 address or host name, got {self.host!r}")
         if self.cpus and not all(c.strip().isdigit() for c in self.cpus.split(",")):
             raise ValueError(f"cpus must be a comma-separated list of cpu numbers, got {self.cpus!r}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice must be in 0..19, got {self.nice}")
         if self.router_timeout_s <= 0 or self.connect_timeout_s <= 0 or self.hello_interval_s <= 0:
             raise ValueError("timeouts and intervals must be > 0")
 

@@ -92,6 +92,10 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
     if cfg.cpu_list:
         pin_threads(cfg.cpu_list)
         log.info("pinned to cpu(s) %s of %s", cfg.cpus, ",".join(map(str, host)))
+    if cfg.nice:
+        from rank_runtime.core_board import renice_threads
+
+        log.info("niceness raised by %d on %d thread(s)", cfg.nice, renice_threads(cfg.nice))
     if cfg.core_board:
         import torch
 
