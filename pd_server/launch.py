@@ -112,6 +112,8 @@ class LaunchConfig:
             raise ValueError("rank_start_timeout_s, max_restarts and restart_backoff_s must be >= 0")
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError(f"prefill_nice must be in 0..19, got {self.prefill_nice}")
+        if self.prefill_nice and not self.pd:
+            raise ValueError("--prefill-nice needs PD mode (--prefill N --decode M)")
         if self.ray_placement not in ("spread", "pack"):
             raise ValueError(f"ray_placement must be spread or pack, got {self.ray_placement!r}")
         if self.ray and not self.num_ranks:

@@ -21,7 +21,8 @@ def test_prefill_nice_reaches_the_prefill_ranks_only():
     launch = LaunchConfig(prefill=2, decode=2, prefill_nice=7)
     assert (nice_flag(launch, "prefill"), nice_flag(launch, "decode")) == ("7", None)
     assert nice_flag(LaunchConfig(prefill=2, decode=2, prefill_nice=0), "prefill") is None
-    assert nice_flag(LaunchConfig(colocated=2, prefill_nice=7), "colocated") is None
+    with pytest.raises(ValueError, match="PD mode"):
+        LaunchConfig(colocated=2, prefill_nice=7)
 
 
 @pytest.mark.parametrize("bad", [-1, 20])
