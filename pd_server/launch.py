@@ -149,7 +149,7 @@ def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router
         home = home_cpus(slot, max(1, engine_cfg.num_threads), cpus, launch.num_ranks)
         if home:
             cmd += ["--cpus", ",".join(map(str, home))]
-    if role == "prefill" and launch.prefill_nice and not launch.fake_ranks:
+    if role == "prefill" and launch.prefill_nice:  # PD only, so never fake ranks
         cmd += ["--nice", str(launch.prefill_nice)]
     if role in ("prefill", "decode"):
         cmd += ["--host", launch.prefill_host if role == "prefill" else launch.decode_host]

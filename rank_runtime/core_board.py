@@ -105,15 +105,19 @@ def home_cpus(slot: int, threads: int, cpus: list[int], ranks: int) -> list[int]
     return cpus[slot * threads:(slot + 1) * threads]
 
 
+def _thread_ids() -> list[int]:
+    """This process's threads (0: the calling thread, where /proc is not there to list them)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
 def renice_threads(by: int) -> int:
     """Raise the niceness of every thread of this process by `by` (Linux keeps it per thread;
     threads created later inherit their creator's). Returns how many threads took it."""
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
     done = 0
-    for tid in tids:
+    for tid in _thread_ids():
         try:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
             done += 1
@@ -125,11 +129,7 @@ def renice_threads(by: int) -> int:
 def pin_threads(cpus: Iterable[int]) -> None:
     """Every thread of this process (and those it creates later) on `cpus`."""
     cpus = set(cpus)
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    for tid in tids:
+    for tid in _thread_ids():
         try:
             os.sched_setaffinity(tid, cpus)
         except OSError:  # a thread that just exited

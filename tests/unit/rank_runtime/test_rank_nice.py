@@ -40,20 +40,27 @@ def test_renice_takes_every_thread_and_those_started_later():
         from rank_runtime.core_board import renice_threads
         stop = threading.Event()
         seen = {}
-        def worker(name):
-            seen[name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-            stop.wait()
-        before = threading.Thread(target=worker, args=("before",)); before.start()
+        def start(name):
+            ready = threading.Event()
+            def worker():
+                seen[name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+                ready.set()
+                stop.wait()
+            t = threading.Thread(target=worker); t.start()
+            ready.wait(30)
+            return t
+        before = start("before")
         base = os.getpriority(os.PRIO_PROCESS, 0)
         n = renice_threads(5)
-        after = threading.Thread(target=worker, args=("after",)); after.start()
-        while "after" not in seen: pass
+        after = start("after")
         tid = before.native_id
         print(n, base, os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, tid), seen["after"])
         stop.set(); before.join(); after.join()
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     n, base, main, before, after = map(int, out.stdout.split())
+    if base >= 19:
+        pytest.skip("this process already runs at the highest niceness: nothing to raise")
     assert n >= 2
     want = min(19, base + 5)
     assert (main, before, after) == (want, want, want)
