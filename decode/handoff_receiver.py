@@ -6,7 +6,9 @@ A handed-off request on a decode rank:
      this rank holds the handoff (queued or pulling) it sends the prefill rank a Renew every
      third of the lease, so a full rank keeps the pins for as long as it waits for room
      (between steps in `progress()`, and between a step's layers in `renew_due()`: a step can
-     outlast a lease).
+     outlast a lease). A Handoff that arrived mid-step behind a message that must wait for the
+     step's end (a PeerHello, Peers) is renewed while it waits too (`renew_waiting()`), and its
+     lease counts from the last such Renew once it is taken.
   2. Pulling: the engine had room (reserve_kv: device pages, an SWA slot, a sequence place);
      two reads run on the backend's thread, the prompt's pages into the reserved pages and the
      SWA rings (one window per sliding layer, never more) into the reserved slot, while the
@@ -104,6 +106,7 @@ class HandoffReceiver:
         self.pulling: dict[str, _Incoming] = {}
         self._tombstones: dict[str, float] = {}  # request id -> monotonic expiry
         self._former: dict[bytes, str] = {}  # identities of peers refused or gone -> name (their handoffs fail)
+        self._waiting: dict[str, float] = {}  # request id -> monotonic: last Renew while its Handoff waited
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
 
@@ -143,6 +146,9 @@ class HandoffReceiver:
         """`received`: when the IO thread took it off the socket (monotonic); the lease estimate
         starts there, not when this thread, maybe busy with a long step, got to it."""
         rid = h.request_id
+        renewed = self._waiting.pop(rid, None)  # renewed while it waited: its lease restarted then
+        if renewed is not None:
+            received = renewed if received is None else max(received, renewed)
         if sender not in self.peers and sender not in self._former:
             # NOTE: never act on it beyond answering: it could name another rank's request.
             log.error("dropping handoff %s from %r: its PeerHello was refused or never arrived", rid, sender)
@@ -186,6 +192,7 @@ class HandoffReceiver:
     def drop_all(self, why: str) -> None:
         """The router is gone: answer every queued handoff PullFailed; reads in flight finish
         and are released (as aborted). Nothing goes to the router."""
+        self._waiting.clear()
         while self.queue:
             inc = self.queue.popleft()
             self.send_peer(inc.sender, PullFailed(inc.handoff.request_id, why))
@@ -262,6 +269,24 @@ class HandoffReceiver:
         gone (progress() fails it)."""
         if self.queue or self.pulling:
             self._renew(self.clock(), live_only=True)
+
+    def renew_waiting(self, waiting: list[tuple[bytes, Handoff, float | None]]) -> None:
+        """Within a step: renew the Handoffs (sender, handoff, when received) that arrived
+        during it but wait for its end behind a message that must be taken first (a PeerHello,
+        Peers): without it a step longer than the lease after a membership change failed them.
+        The Renew goes back to the sender and names only what it handed off (the prefill rank
+        extends a lease only for the rank it handed to), so an unknown sender gains nothing;
+        whatever the waiting messages decide at the step's end still holds. One whose lease is
+        already gone is left to fail when it is taken."""
+        now = self.clock()
+        due: dict[bytes, list[str]] = {}
+        for sender, h, received in waiting:
+            last = self._waiting.get(h.request_id, now if received is None else received)
+            if last + h.lease_s / RENEWS_PER_LEASE <= now < last + h.lease_s - lease_margin(h.lease_s):
+                self._waiting[h.request_id] = now
+                due.setdefault(sender, []).append(h.request_id)
+        for sender, rids in due.items():
+            self.send_peer(sender, Renew(rids))
 
     def _renew(self, now: float, live_only: bool = False) -> None:
         """Renew every held handoff whose Renew is due, one message per prefill rank. Renewing

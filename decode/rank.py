@@ -85,7 +85,8 @@ class DecodeLoop(RankLoop):
         renewed, so a step longer than a lease (several prompts the router placed here, in
         float32 on a shared core) fails no handoff. Every other message waits for the step's
         end, in order, and so does a Handoff behind one that is not a Generate or an Abort (a
-        PeerHello, Peers or RouterLost may change what it means)."""
+        PeerHello, Peers or RouterLost may change what it means); such a Handoff is renewed
+        while it waits (HandoffReceiver.renew_waiting)."""
         super().between_layers()
         inbox = None if self.link is None else self.link.inbox
         while inbox is not None and not inbox.empty():  # (no exception raised a layer when empty)
@@ -99,6 +100,8 @@ class DecodeLoop(RankLoop):
             else:
                 self.deferred.append(msg)
         self.receiver.renew_due()
+        self.receiver.renew_waiting([(m.sender, m.msg, m.received) for m in self.deferred
+                                     if isinstance(m, PeerMessage) and isinstance(m.msg, Handoff)])
         self.receiver.start_queued()
 
     def between_steps(self) -> None:

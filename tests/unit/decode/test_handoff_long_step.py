@@ -4,6 +4,7 @@ and renews what it holds (decode/rank.py DecodeLoop.between_layers). The Pair of
 test_handoff_loops.py: real tiny engines, a fake transfer backend and router link."""
 from __future__ import annotations
 
+from cluster.protocol.prefill_decode import Renew
 from cluster.protocol.router_rank import Abort
 from rank_runtime.peer_link import PeerMessage
 from tests.unit.decode.test_handoff_loops import PEERS, PREFILL_ID, Pair
@@ -55,6 +56,46 @@ def test_a_step_longer_than_the_lease_takes_handoffs_and_renews_them_between_its
                 if p.finished() and p.idle():
                     break
         assert not pair.errors() and pair.sender.released == 3 and not dec.deferred
+        assert pair.tokens() == ref.tokens() and len(pair.tokens()["a"]) == 10
+    finally:
+        pair.close()
+        ref.close()
+
+
+def test_a_handoff_waiting_behind_peers_through_a_long_step_is_renewed_and_pulled(tiny_model_dir):
+    """A Handoff that arrives mid-step behind a Peers (a membership change) waits for the step's
+    end; through a step of four leases the rank renews it as it waits, so the prefill rank keeps
+    the KV and the rank's own lease count starts from the last Renew: nothing fails, and the
+    tokens equal those of a pair that took the handoff at once."""
+    pair = Pair(tiny_model_dir("llama"), lease_s=3.0)
+    ref = Pair(tiny_model_dir("llama"))
+    try:
+        prompt = _prompts((37,))[0]
+        for p in (pair, ref):
+            p.generate("a", prompt)
+        for _ in range(20):
+            pair.turn(deliver=False)
+            if pair.handoffs:
+                break
+        dec, (ha,) = pair.decode, pair.handoffs
+        waiting = PeerMessage(PREFILL_ID, ha, pair.clock())
+        dec.link.inbox.put(PEERS)
+        dec.link.inbox.put(waiting)
+        for _ in range(40):  # one step of 12 s, a layer each 0.3 s
+            dec.between_layers()
+            pair.clock.advance(0.3)
+        assert dec.deferred == [PEERS, waiting] and not dec.receiver.holds("a")
+        renews = [msg for dest, msg in dec.link.take_peer()]
+        assert len(renews) >= 4 and all(m == Renew(["a"]) for m in renews)
+        for msg in renews:  # they reach the prefill rank as they are sent
+            pair.prefill.link.inbox.put(PeerMessage(b"decode-0", msg))
+            pair.prefill.run_once()
+        for p in (pair, ref):
+            for _ in range(40):
+                p.turn()
+                if p.finished() and p.idle():
+                    break
+        assert not pair.errors() and pair.sender.released == 1 and not dec.deferred
         assert pair.tokens() == ref.tokens() and len(pair.tokens()["a"]) == 10
     finally:
         pair.close()
