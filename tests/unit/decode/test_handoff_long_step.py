@@ -11,6 +11,15 @@ from tests.unit.decode.test_handoff_loops import PEERS, PREFILL_ID, Pair
 from tests.unit.engine.test_engine_tiny import _prompts
 
 
+def _run_out(*pairs: Pair) -> None:
+    """Turn each pair until its requests finish and it holds nothing (40 turns at most)."""
+    for p in pairs:
+        for _ in range(40):
+            p.turn()
+            if p.finished() and p.idle():
+                break
+
+
 def test_a_step_longer_than_the_lease_takes_handoffs_and_renews_them_between_its_layers(tiny_model_dir):
     """A decode rank's step can outlast a lease (prompts the router placed on it, in float32 on
     a shared core). Between its layers it takes the Handoffs that arrived and renews what it
@@ -50,11 +59,7 @@ def test_a_step_longer_than_the_lease_takes_handoffs_and_renews_them_between_its
         dec.link.inbox.put(PeerMessage(PREFILL_ID, hc, pair.clock()))  # behind Peers: waits
         dec.between_layers()
         assert dec.deferred == [PEERS, PeerMessage(PREFILL_ID, hc, pair.clock())] and not dec.receiver.holds("c")
-        for p in (pair, ref):
-            for _ in range(40):
-                p.turn()
-                if p.finished() and p.idle():
-                    break
+        _run_out(pair, ref)
         assert not pair.errors() and pair.sender.released == 3 and not dec.deferred
         assert pair.tokens() == ref.tokens() and len(pair.tokens()["a"]) == 10
     finally:
@@ -90,11 +95,7 @@ def test_a_handoff_waiting_behind_peers_through_a_long_step_is_renewed_and_pulle
         for msg in renews:  # they reach the prefill rank as they are sent
             pair.prefill.link.inbox.put(PeerMessage(b"decode-0", msg))
             pair.prefill.run_once()
-        for p in (pair, ref):
-            for _ in range(40):
-                p.turn()
-                if p.finished() and p.idle():
-                    break
+        _run_out(pair, ref)
         assert not pair.errors() and pair.sender.released == 1 and not dec.deferred
         assert pair.tokens() == ref.tokens() and len(pair.tokens()["a"]) == 10
     finally:
