@@ -100,8 +100,9 @@ class DecodeLoop(RankLoop):
             else:
                 self.deferred.append(msg)
         self.receiver.renew_due()
-        self.receiver.renew_waiting([(m.sender, m.msg, m.received) for m in self.deferred
-                                     if isinstance(m, PeerMessage) and isinstance(m.msg, Handoff)])
+        if self.deferred:  # (this runs between every two layers: nothing to do is the common case)
+            self.receiver.renew_waiting([(m.sender, m.msg, m.received) for m in self.deferred
+                                         if isinstance(m, PeerMessage) and isinstance(m.msg, Handoff)])
         self.receiver.start_queued()
 
     def between_steps(self) -> None:
