@@ -100,7 +100,9 @@ def test_hung_decode_rank_is_killed_and_replaced_by_the_supervisor(pd_sup):
         stopped.update(name=name, pid=pd_sup.ranks()[name]["pid"], t=time.monotonic())
         os.kill(stopped["pid"], signal.SIGSTOP)
 
-    story = {"prompt": "Tell me a story", "max_tokens": 60, "ignore_eos": True}
+    # Long enough to outlast a few stats heartbeats: 60 tokens (~0.5 s on a fast core) could end
+    # between two, and "decoding started" was then never seen.
+    story = {"prompt": "Tell me a story", "max_tokens": 300, "ignore_eos": True}
     text, _ = stream_until_end(pd_sup, story, on_first=stop_it)
     assert sse_text(text)[0] == complete(pd_sup, story).json()["choices"][0]["text"]  # moved, not failed
     pd_sup.wait_until(lambda: pid_gone(stopped["pid"]), FAST_S, "the hung rank killed")
