@@ -99,7 +99,7 @@ class LLMEngine(StepBounds):
         return AutoTokenizer.from_pretrained(str(self.model_dir))
 
     # ---- admission -----------------------------------------------------------
-    def _validate(self, request_id: str, prompt_ids: list[int]) -> None:
+    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_ids:
@@ -110,6 +110,7 @@ class LLMEngine(StepBounds):
         v = self.model_cfg.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= v:
             raise ValueError(f"prompt token ids must be in [0, {v})")
+        params.check_vocab(v)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     *, prefill_only: bool = False, output_ids: list[int] = ()) -> None:
@@ -118,7 +119,7 @@ class LLMEngine(StepBounds):
         goes on after them, as from a preemption (same seeded noise, penalties, grammar state
         and held-back text). Raises ValueError (nothing queued) on invalid input."""
         prompt_ids, output_ids = list(prompt_ids), list(output_ids)
-        self._validate(request_id, prompt_ids + output_ids)
+        self._validate(request_id, prompt_ids + output_ids, params)
         if output_ids and (prefill_only or len(output_ids) >= params.max_tokens):
             raise ValueError("a resumed request needs room for a new token and cannot be prefill-only")
         seq = Sequence(request_id, prompt_ids, params, output_ids=output_ids, prefill_only=prefill_only,
@@ -132,7 +133,7 @@ class LLMEngine(StepBounds):
                      params: SamplingParams, kv: KVExport) -> None:
         """Queue a request whose prompt KV was computed elsewhere; decoding continues from output_ids."""
         prompt_ids = list(prompt_ids)
-        self._validate(request_id, prompt_ids)
+        self._validate(request_id, prompt_ids, params)
         if kv.num_tokens != len(prompt_ids):
             raise ValueError("kv export does not cover the prompt")
         seq = Sequence(request_id, prompt_ids, params, output_ids=list(output_ids),
@@ -173,7 +174,7 @@ class LLMEngine(StepBounds):
         """
         prompt_ids = list(prompt_ids)
         try:
-            self._validate(request_id, prompt_ids)
+            self._validate(request_id, prompt_ids, params)
             if res.num_tokens != len(prompt_ids) or not output_ids:
                 raise ValueError("reservation does not cover the prompt, or no first token")
             matcher = self._matcher(params, output_ids)

@@ -76,6 +76,19 @@ class SamplingParams:
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
 
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token id this request carries outside its prompt (the fields the sampler uses
+        as indices into the logits). Admission checks them against the vocabulary: an id out of
+        range is the request's error, never its step's."""
+        return self.stop_token_ids
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises ValueError naming the first id outside [0, vocab_size)."""
+        for t in self.token_ids():
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"stop_token_ids: token id {t} is outside this model's vocabulary "
+                                 f"[0, {vocab_size})")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -124,4 +124,6 @@ def count_tokens(req: CountTokensRequest, ctx: ServerContext) -> CountTokens:
     ctx.check_model(req.model)
     chat_req = to_chat(req)
     check_chat(chat_req, ctx.cfg)
-    return CountTokens(len(ctx.renderer.render(chat_req).prompt_ids))
+    max_len = ctx.registry.max_model_len
+    return CountTokens(len(ctx.renderer.render(
+        chat_req, True, lambda text: ctx.check_prompt_chars(text, max_len, "messages")).prompt_ids))

@@ -121,8 +121,8 @@ def build_app(ctx: ServerContext):
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
+        log.exception("unhandled error on %s", request.url.path)  # the text stays in the log, not the reply
+        return _error(APIError(500, "internal error (logged on the server)"), request.url.path)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -148,7 +148,7 @@ def build_app(ctx: ServerContext):
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(req: CountTokensRequest):
-        return Response(to_json(anthropic_messages.count_tokens(req, ctx)), media_type=JSON)
+        return Response(to_json(await ctx.offload(anthropic_messages.count_tokens, req, ctx)), media_type=JSON)
 
     def card() -> ModelCard:
         return ModelCard(ctx.model_name, ctx.created, ctx.registry.max_model_len, root=ctx.model_name)
@@ -164,11 +164,11 @@ def build_app(ctx: ServerContext):
 
     @app.post("/tokenize")
     async def tokenize_route(req: TokenizeRequest):
-        return Response(to_json(tokenize(req, ctx)), media_type=JSON)
+        return Response(to_json(await ctx.offload(tokenize, req, ctx)), media_type=JSON)
 
     @app.post("/detokenize")
     async def detokenize_route(req: DetokenizeRequest):
-        return Response(to_json(detokenize(req, ctx)), media_type=JSON)
+        return Response(to_json(await ctx.offload(detokenize, req, ctx)), media_type=JSON)
 
     @app.get("/health")
     async def health():

@@ -51,7 +51,8 @@ async def submit_chat(req: ChatCompletionRequest, ctx: ServerContext, prefix: st
     arrival = time.perf_counter()
     ctx.check_model(req.model)
     max_len, vocab = ctx.limits()
-    chat = ctx.renderer.render(req)
+    chat = await ctx.offload(ctx.renderer.render, req, True,
+                             lambda text: ctx.check_prompt_chars(text, max_len, "messages"))
     check_prompt(chat.prompt_ids, max_len, vocab, "messages")
     max_tokens = fit_max_tokens(req.requested_max_tokens, len(chat.prompt_ids), max_len, "max_tokens",
                                 ctx.cfg.max_tokens_limit)
@@ -59,7 +60,7 @@ async def submit_chat(req: ChatCompletionRequest, ctx: ServerContext, prefix: st
     if spec is not None:
         await compile_in_time(ctx.grammar_compiler(vocab), spec, ctx.cfg.grammar_timeout_s)
     grammar = spec.as_wire() if spec is not None else None
-    work = [(chat.prompt_ids, make_sampling(req, max_tokens, req.num_logprobs, i, chat.extra_stop, grammar))
+    work = [(chat.prompt_ids, make_sampling(req, max_tokens, req.num_logprobs, i, vocab, chat.extra_stop, grammar))
             for i in range(req.n)]
     first_user = next((m.text for m in req.messages if m.role == "user"), "")
     rid = new_request_id(prefix)
@@ -73,11 +74,15 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
     if req.stream:
         return SSEStream(handle, _ChatStream(ctx, req, chat, handle, rid), sub.headers)
     choices = await collect(handle, request.receive)
-    body = ChatCompletion(rid, int(time.time()), ctx.model_name,
-                          [_choice(ctx, req, chat, i, c) for i, c in enumerate(choices)], usage(choices))
-    if req.return_token_ids:
-        body.prompt_token_ids = chat.prompt_ids
-    return Response(to_json(body), media_type=JSON, headers=sub.headers)
+
+    def build() -> bytes:  # n x max_tokens x top_logprobs entries: request-sized work
+        body = ChatCompletion(rid, int(time.time()), ctx.model_name,
+                              [_choice(ctx, req, chat, i, c) for i, c in enumerate(choices)], usage(choices))
+        if req.return_token_ids:
+            body.prompt_token_ids = chat.prompt_ids
+        return to_json(body)
+
+    return Response(await ctx.offload(build), media_type=JSON, headers=sub.headers)
 
 
 def _choice(ctx: ServerContext, req: ChatCompletionRequest, chat: RenderedChat, i: int, c: Choice) -> ChatChoice:

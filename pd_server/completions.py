@@ -30,16 +30,23 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
     max_len, vocab = ctx.limits()
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
-    prompts: list[list[int]] = []
-    for p in req.prompts:
-        ids = list(ctx.tokenizer(p).input_ids) if isinstance(p, str) else p
-        check_prompt(ids, max_len, vocab, "prompt")
-        prompts.append(ids)
+
+    def tokenize() -> list[list[int]]:  # request-sized work: off the event loop
+        prompts = []
+        for p in req.prompts:
+            if isinstance(p, str):
+                ctx.check_prompt_chars(p, max_len, "prompt")
+                p = list(ctx.tokenizer(p).input_ids)
+            check_prompt(p, max_len, vocab, "prompt")
+            prompts.append(p)
+        return prompts
+
+    prompts = await ctx.offload(tokenize)
     work = []
     for ids in prompts:
         max_tokens = fit_max_tokens(req.requested_max_tokens, len(ids), max_len, "max_tokens",
                                 ctx.cfg.max_tokens_limit)
-        work += [(ids, make_sampling(req, max_tokens, req.logprobs, j)) for j in range(req.n)]
+        work += [(ids, make_sampling(req, max_tokens, req.logprobs, j, vocab)) for j in range(req.n)]
     rid = new_request_id("cmpl")
     handle = ctx.dispatcher.submit(rid, work, RouteRequest(prompts[0], len(work)), arrival)
     headers = route_headers(handle, rid)
@@ -47,16 +54,19 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
     if req.stream:
         return SSEStream(handle, _CompletionStream(ctx, req, handle, rid, echoes), headers)
     choices = await collect(handle, request.receive)
-    out = []
-    for i, c in enumerate(choices):
-        prefix = echoes[i // req.n] if echoes else ""
-        lp = completion_logprobs(ctx, c.logprobs, len(prefix)) if req.logprobs is not None else None
-        choice = CompletionChoice(i, prefix + "".join(c.text), c.finish_reason, lp)
-        if req.return_token_ids:
-            choice.token_ids, choice.prompt_token_ids = c.token_ids, work[i][0]
-        out.append(choice)
-    body = Completion(rid, int(time.time()), ctx.model_name, out, usage=usage(choices, len(prompts)))
-    return Response(to_json(body), media_type="application/json", headers=headers)
+
+    def build() -> bytes:  # prompts x n x max_tokens x logprobs entries: request-sized work
+        out = []
+        for i, c in enumerate(choices):
+            prefix = echoes[i // req.n] if echoes else ""
+            lp = completion_logprobs(ctx, c.logprobs, len(prefix)) if req.logprobs is not None else None
+            choice = CompletionChoice(i, prefix + "".join(c.text), c.finish_reason, lp)
+            if req.return_token_ids:
+                choice.token_ids, choice.prompt_token_ids = c.token_ids, work[i][0]
+            out.append(choice)
+        return to_json(Completion(rid, int(time.time()), ctx.model_name, out, usage=usage(choices, len(prompts))))
+
+    return Response(await ctx.offload(build), media_type="application/json", headers=headers)
 
 
 def _echo(ctx: ServerContext, req: CompletionRequest, prompt: str | list[int]) -> str:

@@ -58,9 +58,12 @@ class ChatRenderer:
         self.fallback = not self.template
         self.knows_tools = bool(self.template) and "tools" in self.template
 
-    def render(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> RenderedChat:
+    def render(self, req: ChatCompletionRequest, add_generation_prompt: bool = True,
+               check_text=None) -> RenderedChat:
         """Raises a 400 when the template rejects the conversation. `add_generation_prompt`
-        False (/tokenize) ends the text after the last message."""
+        False (/tokenize) ends the text after the last message. `check_text(text)`, when given,
+        sees the rendered text before it is tokenized (and raises to refuse it). Request-sized
+        work: run it off the event loop (ServerContext.offload)."""
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = list(req.tools or ()) if use_tools else []
         choice = req.tool_choice
@@ -89,6 +92,8 @@ class ChatRenderer:
         except Exception as e:  # noqa: BLE001 - templates raise anything (jinja2 errors, raise_exception)
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
         text += prefix
+        if check_text is not None:
+            check_text(text)
         ids = self.tokenizer(text, add_special_tokens=self.fallback).input_ids
         return RenderedChat(list(ids), [t.function.name for t in tools] if tools else None, prefix,
                             stop + (FALLBACK_STOP if self.fallback else ()))

@@ -39,10 +39,11 @@ def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, p
     return requested
 
 
-def make_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None, seed_offset: int,
+def make_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None, seed_offset: int, vocab_size: int,
                   extra_stop: tuple[str, ...] = (), grammar: tuple[str, str] | None = None) -> Sampling:
     """The Sampling of choice `seed_offset` (n > 1 with a seed: seed + i, so choices differ
-    yet the request as a whole reproduces). Raises a 400 naming the field on bad values."""
+    yet the request as a whole reproduces). Raises a 400 naming the field on bad values, and
+    on any token id outside [0, vocab_size) (SamplingParams.token_ids: the ranks check again)."""
     seed = None if req.seed is None else (req.seed + seed_offset) % 2**63
     s = Sampling(
         max_tokens=max_tokens,
@@ -62,7 +63,11 @@ def make_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None, s
         grammar=grammar,
     )
     try:
-        SamplingParams(**msgspec.structs.asdict(s))
+        params = SamplingParams(**msgspec.structs.asdict(s))
     except ValueError as e:
         raise bad_request(str(e)) from None
+    try:
+        params.check_vocab(vocab_size)
+    except ValueError as e:
+        raise bad_request(str(e), "stop_token_ids") from None
     return s

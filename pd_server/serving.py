@@ -6,8 +6,12 @@ are no module-level globals.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from cluster.protocol.rank_router import TokenEvent, TokenLogprob
@@ -36,6 +40,35 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
     _grammars: object = None  # engine.grammar.GrammarCompiler, made on the first structured request
+    # Request-sized work (rendering, tokenizing, large response bodies) runs here, never on the
+    # event loop: the loop also carries every stream's tokens and the ranks' heartbeats, and a
+    # rank whose router is silent for 5 s exits. Bounded: at most this many run at once.
+    work: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        max(2, min(4, os.cpu_count() or 2)), thread_name_prefix="request-work"))
+
+    async def offload(self, fn, *args):
+        """fn(*args) on the request-work pool, awaited; its exceptions (APIError) propagate."""
+        return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters any one token spells (a byte-level token's length is its bytes,
+        at least its characters): a text of more than max_model_len times this cannot fit."""
+        return max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+
+    def max_prompt_chars(self, max_model_len: int) -> int:
+        """Characters past which a prompt is refused before it is tokenized (it has at least
+        max_model_len tokens then); while no rank has said its context, that of a 128k one."""
+        return (max_model_len or 131072) * self.longest_token_chars
+
+    def check_prompt_chars(self, text: str, max_model_len: int, param: str) -> None:
+        """A 400, before any tokenizing, for a text too long to fit the context."""
+        cap = self.max_prompt_chars(max_model_len)
+        max_model_len = max_model_len or 131072
+        if len(text) > cap:
+            raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                                f"{len(text)} characters, more than that many tokens spell (at most {cap})",
+                           param=param)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_aliases:

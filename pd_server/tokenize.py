@@ -33,13 +33,18 @@ class DetokenizeResponse(msgspec.Struct):
 
 
 def tokenize(req: TokenizeRequest, ctx: ServerContext) -> TokenizeResponse:
+    """Request-sized work: the app runs it off the event loop (ServerContext.offload). A text
+    that could never fit the context is refused before it is tokenized."""
     ctx.check_model(req.model)
     tok = ctx.tokenizer
+    max_len = ctx.registry.max_model_len
     if req.messages is not None:
         chat = ChatCompletionRequest(messages=req.messages, tools=req.tools)
         check_chat(chat, ctx.cfg)
-        ids = ctx.renderer.render(chat, add_generation_prompt=req.add_generation_prompt).prompt_ids
+        ids = ctx.renderer.render(chat, req.add_generation_prompt,
+                                  lambda text: ctx.check_prompt_chars(text, max_len, "messages")).prompt_ids
     else:
+        ctx.check_prompt_chars(req.prompt, max_len, "prompt")
         ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids)
     strs = list(tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None
     return TokenizeResponse(len(ids), ctx.registry.max_model_len, ids, strs)

@@ -115,9 +115,11 @@ class RankLoop:
             self.step_log.begin(self.board.threads if self.board is not None else 0)
         try:
             outs = eng.step()
-        except Exception as e:  # noqa: BLE001 - fail the requests, keep the rank
-            log.exception("engine step failed")
-            self.fail_all(f"engine failure on this rank: {type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001 - fail the requests, keep the rank
+            # The exception's text goes to this rank's log, never to a client (it can name
+            # internals, another request's values, paths).
+            log.exception("engine step failed; failing request(s) %s", ", ".join(map(str, self.engine.seqs)))
+            self.fail_all("engine failure on this rank (logged on the rank)")
             return
         self.steps += 1
         if self.step_log is not None:

@@ -7,10 +7,13 @@ whether it fails. It records every read, so tests can check exactly which pages 
 FakeEngine: the part of LLMEngine a HandoffReceiver drives (reserve/release/commit), with a
 page and sequence budget the test sets.
 FakeClock: monotonic time the test advances.
+InlineExecutor: an Executor that runs each call at once on the caller's thread, for router tests
+that step the event loop by hand (ServerContext.offload then finishes within a few loop turns).
 """
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -18,6 +21,16 @@ import torch
 
 from engine.outputs import KVReservation
 from kv_transfer.base import TransferHandle
+
+
+class InlineExecutor(Executor):
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            f.set_exception(e)
+        return f
 
 
 class FakeClock:

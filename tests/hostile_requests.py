@@ -97,7 +97,7 @@ def field_table(lim: Limits, path: str) -> dict[str, list]:
         "min_tokens": [-1, "abc", 1.5, [1], 10**30, NAN],
         "stop": [5, [5], [""], "", {"v": "x"}, [["x"]], [None], ["s"] * (lim.max_stop + 1),
                  "y" * (lim.max_stop_chars + 1)],
-        "stop_token_ids": ["a", ["a"], [1.5], 5, [10**30], [-(10**30)], [1] * (lim.max_stop + 1), {"v": 1}],
+        "stop_token_ids": ["a", ["a"], [1.5], 5, [10**30], [-(10**30)], [lim.vocab], [-1], [1, lim.vocab + 7], [1] * (lim.max_stop + 1), {"v": 1}],
         "stream": NOT_A_BOOL,
         "ignore_eos": NOT_A_BOOL,
         "return_token_ids": NOT_A_BOOL,

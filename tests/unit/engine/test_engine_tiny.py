@@ -171,6 +171,27 @@ def test_invalid_requests_rejected(tiny_model_dir):
         SamplingParams(max_tokens=0)
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_at_admission(tiny_model_dir):
+    """An id-valued field past the vocabulary (min_tokens turns stop_token_ids into a logits
+    index) is refused alone, at admission, with every kind of admission; the request beside it
+    runs as if alone."""
+    eng = _engine(tiny_model_dir("llama"))
+    v = eng.model_cfg.vocab_size
+    for bad in ((v,), (-1,), (3, v + 100)):
+        params = SamplingParams(max_tokens=4, min_tokens=1, temperature=0, stop_token_ids=bad)
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            eng.add_request("bad", [5, 6, 7], params)
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            eng.add_request("bad", [5, 6, 7], params, output_ids=[8])
+        res = eng.reserve_kv(3)
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            eng.add_prefilled("bad", [5, 6, 7], [8], params, res)
+    assert not eng.seqs and eng.pool.used_pages == 0
+    ok = SamplingParams(max_tokens=4, min_tokens=1, temperature=0, ignore_eos=True, stop_token_ids=(v - 1,))
+    alone = eng.generate([[5, 6, 7]], ok)[0]
+    assert len(alone.new_token_ids) == 4 and eng.pool.used_pages == 0
+
+
 def test_length_finish_at_context_end(tiny_model_dir):
     eng = _engine(tiny_model_dir("llama"), max_model_len=20)
     out = eng.generate([[5] * 15], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]

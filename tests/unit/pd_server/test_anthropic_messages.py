@@ -27,6 +27,7 @@ from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
 from pd_server.serving import ServerContext
 from pd_server.tool_parser import ParsedToolCall
+from tests.fakes import InlineExecutor
 
 MODEL = "tiny"
 WEATHER = {"name": "get_weather", "description": "Weather in a city",
@@ -235,7 +236,8 @@ def app():
     cfg = RouterConfig()
     disp = Recorder(cfg)
     tok = StubTokenizer(CHATML)
-    ctx = ServerContext(cfg, MODEL, frozenset({MODEL}), tok, ChatRenderer(tok), disp.registry, disp, RouterMetrics())
+    ctx = ServerContext(cfg, MODEL, frozenset({MODEL}), tok, ChatRenderer(tok), disp.registry, disp, RouterMetrics(),
+                        work=InlineExecutor())
     yield build_app(ctx), disp
     disp._sock.close(linger=0)
     disp._ctx.term()

@@ -19,6 +19,7 @@ from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
 from pd_server.serving import ServerContext
 from test_router_prompts import CHATML, StubTokenizer
+from tests.fakes import InlineExecutor
 
 fanout.load()  # (the router does it as it starts)
 SENDERS = [pytest.param(fanout._send_chunks_py, id="python")]
@@ -318,7 +319,8 @@ def test_streams_through_real_uvicorn_byte_for_byte(monkeypatch, path):
     cfg = RouterConfig()
     disp = Recorder(cfg)
     tok = StubTokenizer(CHATML)
-    ctx = ServerContext(cfg, MODEL, frozenset({MODEL}), tok, ChatRenderer(tok), disp.registry, disp, RouterMetrics())
+    ctx = ServerContext(cfg, MODEL, frozenset({MODEL}), tok, ChatRenderer(tok), disp.registry, disp, RouterMetrics(),
+                        work=InlineExecutor())
 
     async def run():
         with socket.socket() as s:

@@ -41,6 +41,9 @@ class StubTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = True):
         return SimpleNamespace(input_ids=([BOS] if add_special_tokens else []) + [ord(c) for c in text])
 
+    def get_vocab(self) -> dict[str, int]:  # a token per character
+        return {chr(i): i for i in range(32, 127)}
+
 
 def text_of(ids: list[int]) -> str:
     return "".join(chr(i) for i in ids if i != BOS)

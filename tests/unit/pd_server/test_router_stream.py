@@ -22,6 +22,7 @@ from pd_server.ranks import RankRegistry
 from pd_server.responses import ChatChunk, ChatChunkChoice, Completion, CompletionChoice, Delta
 from pd_server.routing import make_policy
 from pd_server.serving import ServerContext
+from tests.fakes import InlineExecutor
 
 MODEL = "tiny"
 TRICKY = ["plain", "", " ", 'quote " and \\ backslash', "new\nline\r\n", "tab\t\x00\x1f", "ü🙂中", "</script>",
@@ -48,7 +49,8 @@ def app():
     cfg = RouterConfig()
     disp = Recorder(cfg)
     tok = StubTokenizer(CHATML)
-    ctx = ServerContext(cfg, MODEL, frozenset({MODEL}), tok, ChatRenderer(tok), disp.registry, disp, RouterMetrics())
+    ctx = ServerContext(cfg, MODEL, frozenset({MODEL}), tok, ChatRenderer(tok), disp.registry, disp, RouterMetrics(),
+                        work=InlineExecutor())
     yield build_app(ctx), disp
     disp._sock.close(linger=0)
     disp._ctx.term()
