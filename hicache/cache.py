@@ -14,8 +14,14 @@ A request's life with the cache, as the engine drives it (engine/llm_engine.py):
      models) the SWA rings as of that page boundary go into a state slot.
   4. Eviction, on demand when a store needs room: least recently used unpinned
      chain tails first (with their states); states alone when only state slots are
-     short. Pinned entries (a load, a store, an in-flight transfer) stay. A full
-     cache stores fewer pages, never raises.
+     short. Pinned entries (a load, a store, an in-flight transfer, a write to L3) stay.
+     A full cache stores fewer pages, never raises.
+  5. L3 (`kv_store`, hicache/store.py), when set: every page and state stored in step 3 is
+     also written to the store by a writer thread (the node stays pinned until written:
+     single-node pins, which eviction's leaf check keeps safe); a lookup (step 1) reads the
+     pages past its host hit that the store holds into host pages first, so they load like
+     host hits. The store is shared (the ranks of a host, the next start): what one rank
+     computed is a hit on the others.
 
 Store points (hybrid models): the SWA ring after prefill holds the last `window`
 tokens as of the prompt's end, but a stored state must be as of a page boundary.
@@ -40,8 +46,9 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVPool
 from engine.sequence import Sequence
 from hicache.index import Node, PrefixIndex, namespace_key, page_keys
-from native.page_copy import copy_pages
 from hicache.pool import HostPool, HostPoolLayout, default_shm_name
+from hicache.store import KVStore, StoreWriter, bytes_view, open_store
+from native.page_copy import copy_pages
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,14 @@ class HostCacheStats:
     bytes_d2h: int = 0
     seconds_h2d: float = 0.0
     seconds_d2h: float = 0.0
+    l3_hit_tokens: int = 0  # of hit_tokens, those read from the L3 store for this lookup
+    l3_read_pages: int = 0
+    l3_read_states: int = 0
+    l3_read_failures: int = 0  # objects the store listed but could not give back (a miss then)
+    bytes_l3_read: int = 0
+    seconds_l3_read: float = 0.0
+    l3_queued_pages: int = 0  # pages and states queued for a write to L3
+    l3_skipped_pages: int = 0  # stored pages and states the writer had no room to queue
 
 
 @dataclass
@@ -90,7 +105,7 @@ class Hit:
 class HostCache:
     """Host KV cache of one rank. Not thread-safe: the engine loop owns it."""
 
-    def __init__(self, pool: HostPool, index: PrefixIndex, has_swa: bool) -> None:
+    def __init__(self, pool: HostPool, index: PrefixIndex, has_swa: bool, store: KVStore | None = None) -> None:
         self.pool = pool
         self.index = index
         self.page_size = index.page_size
@@ -98,6 +113,8 @@ class HostCache:
         self.counters = HostCacheStats()
         self.record_events = False  # set by whoever drains them (the rank's router link)
         self._events: list[CacheEvent] = []
+        self.l3 = store  # the L3 tier, or None
+        self.writer = StoreWriter(store) if store is not None else None
 
     @classmethod
     def for_engine(cls, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> "HostCache":
@@ -128,14 +145,23 @@ class HostCache:
         pool = HostPool.create(layout, pin_cuda=cfg.torch_device.type == "cuda")
         copy_pages(pool.pages, pool.pages, [], [])  # build/load the kernel now, not in a request's TTFT
         root = namespace_key(cfg.model, layout.dtype, ps)
-        return cls(pool, PrefixIndex(root, ps), has_swa=bool(model_cfg.swa_layers))
+        store = open_store(cfg.kv_store, cfg.kv_store_size_gb) if cfg.kv_store else None
+        return cls(pool, PrefixIndex(root, ps), has_swa=bool(model_cfg.swa_layers), store=store)
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()  # what is queued reaches the store first (the pool's memory is still mapped)
+            self.writer = None
+        if self.l3 is not None:
+            self.l3.close()
         self.pool.close()
 
     # ---- lookup and load -------------------------------------------------------------
     def lookup(self, tokens: Seq[int]) -> Hit:
-        """Longest usable stored prefix of `tokens`, pinned (see PrefixIndex.lookup)."""
+        """Longest usable stored prefix of `tokens`, pinned (see PrefixIndex.lookup), after
+        reading what the L3 store adds to the host cache's hit into host pages."""
+        self._unpin_written()
+        on_host, from_l3 = self._read_l3(tokens) if self.l3 is not None else (0, 0)
         path = self.index.lookup(tokens, need_state=self.has_swa)
         self.index.pin(path)
         c = self.counters
@@ -144,7 +170,80 @@ class HostCache:
         if path:
             c.hits += 1
             c.hit_tokens += len(path) * self.page_size
+            c.l3_hit_tokens += max(0, min(len(path), on_host + from_l3) - on_host) * self.page_size
         return Hit(path, self.page_size)
+
+    def _read_l3(self, tokens: Seq[int]) -> tuple[int, int]:
+        """Read the run of `tokens`' pages past the host hit that the store holds (and, hybrid
+        models, the deepest SWA state among them, without which they are no hit) into host
+        pages, indexed as stored. Returns (pages the host had, pages read). Stops at the first
+        object it cannot read: the request computes from there."""
+        ps = self.page_size
+        keys = page_keys(tokens, ps, self.index.root, max(len(tokens) - 1, 0) // ps)
+        host = self.index.match_keys(keys)
+        rest = keys[len(host):]
+        names = [k.hex() + ".kv" for k in rest]
+        n = self.l3.leading(names) if rest else 0
+        state_at = -1
+        if n and self.has_swa:
+            with_state = [i for i in range(n) if self.l3.leading([rest[i].hex() + ".swa"])]
+            if not with_state:
+                return len(host), 0
+            state_at = with_state[-1]
+            n = state_at + 1
+        if not n:
+            return len(host), 0
+        c, t0 = self.counters, time.perf_counter()
+        self.index.pin(host)
+        added: list[Node] = []
+        try:
+            parent = host[-1] if host else None
+            for key, name in zip(rest[:n], names):
+                page = self._alloc_page()
+                if page is None:
+                    break
+                if not self.l3.read_into(name, bytes_view(self.pool.pages[page])):
+                    self.pool.free_page(page)
+                    c.l3_read_failures += 1
+                    break
+                parent = self.index.insert(parent, key, page)
+                self.index.pin([parent])
+                added.append(parent)
+            c.l3_read_pages += len(added)
+            c.bytes_l3_read += len(added) * self.pool.layout.page_bytes
+            if added:
+                self._event("page_stored", [a.key for a in added])
+            if 0 <= state_at < len(added):
+                node, slot = added[state_at], self._alloc_state()
+                if slot is not None and self.l3.read_into(node.key.hex() + ".swa",
+                                                             bytes_view(self.pool.states[slot])):
+                    self.index.set_state(node, slot)
+                    c.l3_read_states += 1
+                    c.bytes_l3_read += self.pool.layout.state_bytes
+                    self._event("state_stored", [node.key])
+                elif slot is not None:
+                    self.pool.free_state(slot)
+                    c.l3_read_failures += 1
+            self.index.touch(host + added)
+        finally:
+            self.index.unpin(host + added)
+            c.seconds_l3_read += time.perf_counter() - t0
+        return len(host), len(added)
+
+    def _write_l3(self, name: str, region: torch.Tensor, node: Node) -> None:
+        """Queue `region` (a host page or state of `node`) for the store; `node` stays pinned
+        until the writer is done with it."""
+        self.index.pin([node])
+        if self.writer.submit(name, bytes_view(region), node):
+            self.counters.l3_queued_pages += 1
+        else:
+            self.index.unpin([node])
+            self.counters.l3_skipped_pages += 1
+
+    def _unpin_written(self) -> None:
+        if self.writer is not None:
+            for node in self.writer.done():
+                self.index.unpin([node])
 
     def release(self, hit: Hit) -> None:
         if not hit.released:
@@ -201,6 +300,12 @@ class HostCache:
                     self.index.set_state(full[-1], slot)
                     stored_state = True
             self.index.touch(full)
+            if self.writer is not None:
+                self._unpin_written()
+                for a in added:
+                    self._write_l3(a.key.hex() + ".kv", self.pool.pages[a.page], a)
+                if stored_state:
+                    self._write_l3(full[-1].key.hex() + ".swa", self.pool.states[full[-1].state], full[-1])
         finally:
             self.index.unpin(path + added)
         c = self.counters
@@ -314,7 +419,10 @@ class HostCache:
 
     def stats(self) -> dict:
         c = self.counters
+        w = self.writer
         return {**asdict(c),
+                "l3": self.l3.kind if self.l3 is not None else None,
+                "bytes_l3_written": w.written_bytes if w else 0, "l3_write_errors": w.errors if w else 0,
                 "hit_rate": c.hits / c.lookups if c.lookups else 0.0,
                 "token_hit_rate": c.hit_tokens / c.lookup_tokens if c.lookup_tokens else 0.0,
                 "pages_used": len(self.index), "pages_total": self.pool.num_pages,

@@ -352,6 +352,9 @@ class Dispatcher:
         m.rank_pages_total.labels(name).set(s.pages_total)
         m.rank_host_lookup.labels(name).set(s.host_cache_lookup_tokens)
         m.rank_host_hits.labels(name).set(s.host_cache_hit_tokens)
+        m.rank_store_hits.labels(name).set(s.kv_store_hit_tokens)
+        m.rank_store_bytes.labels(name, "read").set(s.kv_store_read_bytes)
+        m.rank_store_bytes.labels(name, "written").set(s.kv_store_written_bytes)
         if rank.role in PD_ROLES:
             m.rank_handoffs.labels(name).set(s.handoffs)
             m.rank_handoff_pages.labels(name).set(s.handoff_pages_used)

@@ -87,6 +87,11 @@ class RouterMetrics:
         self.rank_host_hits = Gauge("pdserve_rank_host_cache_hit_tokens",
                                     "prompt tokens a rank served from its host cache, since it started",
                                     ["rank"], registry=r)
+        self.rank_store_hits = Gauge("pdserve_rank_kv_store_hit_tokens",
+                                     "of the host-cache hit tokens, those read from the L3 store (--kv-store), "
+                                     "since the rank started", ["rank"], registry=r)
+        self.rank_store_bytes = Gauge("pdserve_rank_kv_store_bytes", "bytes a rank read from or wrote to the L3 "
+                                      "store, since it started", ["rank", "direction"], registry=r)
         self.rank_handoffs = Gauge("pdserve_rank_handoffs", "prefill: handoffs awaiting Pulled; decode: handoffs "
                                    "queued or being pulled", ["rank"], registry=r)
         self.rank_handoff_pages = Gauge("pdserve_rank_handoff_pages_used", "prefill: handoff-pool pages reserved "

@@ -87,7 +87,9 @@ class RankLoop:
         return RankStats(running=s["running"], waiting=s["waiting"], pages_used=s["pages_used"],
                          pages_total=s["pages_total"], swa_slots_free=s["swa_slots_free"], steps=self.steps,
                          host_cache_lookup_tokens=hc.get("lookup_tokens", 0),
-                         host_cache_hit_tokens=hc.get("hit_tokens", 0), **self.extra_stats())
+                         host_cache_hit_tokens=hc.get("hit_tokens", 0),
+                         kv_store_hit_tokens=hc.get("l3_hit_tokens", 0), kv_store_read_bytes=hc.get("bytes_l3_read", 0),
+                         kv_store_written_bytes=hc.get("bytes_l3_written", 0), **self.extra_stats())
 
     def extra_stats(self) -> dict:
         return {}

@@ -31,8 +31,9 @@ from typing import Literal
 # and its Hello names its host cache (cache_root) and it sends CacheEvents like a prefill rank.
 # 5: Sampling.grammar (a constrained request's (kind, text); also in Handoff.sampling), and
 # Generate.resume_ids (a request moved from a dead rank). 6: Renew (decode -> prefill: renewable
-# handoff leases). 7: Hello.node (the rank's host, for /health).
-PROTOCOL_VERSION = 7
+# handoff leases). 7: Hello.node (the rank's host, for /health). 8: RankStats' L3 counters
+# (kv_store_hit_tokens, kv_store_read_bytes, kv_store_written_bytes).
+PROTOCOL_VERSION = 8
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (cluster/auth.py).
 # The largest legitimate frames: a Generate or Handoff of a 1M-token prompt (<= 5 bytes per id in

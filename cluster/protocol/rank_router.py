@@ -103,6 +103,9 @@ class RankStats(msgspec.Struct, frozen=True, array_like=True, tag="stats"):
     handoffs: int = 0  # prefill: handoffs awaiting Pulled; decode: handoffs queued or being pulled
     transfer_bytes: int = 0  # decode: bytes pulled from prefill ranks, since start
     transfer_seconds: float = 0.0  # decode: wall time of those pulls (read start to done), since start
+    kv_store_hit_tokens: int = 0  # of host_cache_hit_tokens, those read from the L3 store (--kv-store)
+    kv_store_read_bytes: int = 0  # bytes read from the L3 store, since start
+    kv_store_written_bytes: int = 0  # bytes written to it, since start
 
 
 class RequestError(msgspec.Struct, frozen=True, array_like=True, tag="error"):

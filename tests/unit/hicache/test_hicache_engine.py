@@ -1,6 +1,8 @@
 """The engine with a host cache on tiny models: hits give the same greedy tokens as no cache."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -182,3 +184,27 @@ def test_a_host_cache_size_without_a_factory_is_refused(tiny_model_dir):
                     host_cache=unused)
     assert eng.hicache is None and "hicache" not in eng.stats()
     eng.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "mistral"])
+def test_an_l3_store_serves_another_engine_the_same_tokens(tiny_model_dir, tmp_path, family):
+    """--kv-store file:DIR: what one engine stored is a hit for another over the same directory
+    (another rank of the host, or the next start), with the tokens and logprobs of no cache."""
+    path, store = tiny_model_dir(family), f"file:{tmp_path / 'l3'}"
+    prompt = _rand(21, seed=3)
+    a = _engine(path, kv_store=store)
+    ref = a.generate([prompt], OFF)[0]
+    a.generate([prompt], ON)
+    a.close()  # its writer finishes what it queued
+    b = _engine(path, kv_store=store)
+    out = b.generate([prompt], ON)[0]
+    _assert_same(out, ref)
+    s = b.stats()["hicache"]
+    assert out.cached_tokens == s["l3_hit_tokens"] == s["hit_tokens"] > 0 and s["l3"] == "file"
+    longer = prompt + out.new_token_ids + _rand(6, seed=4)
+    _assert_same(b.generate([longer], ON)[0], b.generate([longer], OFF)[0])
+    while b.hicache.writer.pending_bytes:  # the last writes pin their pages until done
+        time.sleep(0.01)
+    b.hicache._unpin_written()
+    _assert_idle(b)
+    b.close()

@@ -1,0 +1,58 @@
+"""The L3 tier on real processes (`--kv-store file:DIR`): a prefix one rank computed is a hit on
+another rank of the host (round-robin routing sends each turn to the other rank, whose host
+cache never saw it), and after a restart over the same directory; the greedy text is the same
+whichever tier served the prefix, and /metrics counts the store's hits and bytes.
+"""
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+from conftest import MODEL, start_system, stop_system
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--model", MODEL, "--kv-cache-gb", "0.25", "--num-threads", "1", "--max-num-seqs", "8",
+          "--hicache-size-gb", "0.25"]
+STORY = ("You are a careful assistant. Answer in one short sentence. " * 12).strip()
+
+
+def chat(system, messages: list[dict]) -> tuple[str, int, str]:
+    r = httpx.post(system.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    cached = (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return body["choices"][0]["message"]["content"], cached, r.headers["x-pdserve-rank"]
+
+
+def metric(system, name: str) -> float:
+    text = httpx.get(system.url + "/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.M))
+
+
+def test_a_prefix_is_a_hit_on_another_rank_and_after_a_restart(tmp_path):
+    store = f"file:{tmp_path / 'kv'}"
+    turn1 = [{"role": "system", "content": STORY}, {"role": "user", "content": "Name a colour."}]
+    system = start_system(tmp_path / "a", ["--colocated", "2", "--routing-policy", "round-robin",
+                                           "--kv-store", store, *COMMON], timeout=420)
+    try:
+        answer1, cached1, rank1 = chat(system, turn1)
+        turn2 = turn1 + [{"role": "assistant", "content": answer1}, {"role": "user", "content": "And another?"}]
+        answer2, cached2, rank2 = chat(system, turn2)
+        assert rank2 != rank1 and cached1 == 0
+        assert cached2 >= 128  # the first turn's pages, from the store: rank2's host cache never saw them
+        system.wait_until(lambda: metric(system, "pdserve_rank_kv_store_hit_tokens") == cached2, 10,
+                          "the ranks' stats to count the store's hit")  # (stats come every 0.5 s)
+        assert metric(system, "pdserve_rank_kv_store_bytes") > 0
+    finally:
+        stop_system(system)
+    system = start_system(tmp_path / "b", ["--colocated", "1", "--kv-store", store, *COMMON], timeout=420)
+    try:
+        again, cached, _ = chat(system, turn2)  # the next start: its host cache is empty
+        assert again == answer2 and cached >= cached2
+        system.wait_until(lambda: metric(system, "pdserve_rank_kv_store_hit_tokens") == cached, 10,
+                          "the rank's stats to count the store's hit")
+    finally:
+        stop_system(system)
