@@ -10,10 +10,14 @@ A handed-off request on a decode rank:
      step's end (a PeerHello, Peers) is renewed while it waits too (`renew_waiting()`), and its
      lease counts from the last such Renew once it is taken.
   2. Pulling: the engine had room (reserve_kv: device pages, an SWA slot, a sequence place);
-     two reads run on the backend's thread, the prompt's pages into the reserved pages and the
-     SWA rings (one window per sliding layer, never more) into the reserved slot, while the
-     rank keeps decoding other sequences. `progress()` polls them between steps.
-  3. Committed: both reads done -> engine.add_prefilled() (decoding starts next step) and
+     the prompt's leading pages this rank's host cache holds (an earlier turn of the
+     conversation decoded here: step 3 stores every handed-off prompt) are loaded from it
+     into the reserved pages; two reads run on the backend's thread, the prompt's other pages
+     into the rest of the reserved pages and the SWA rings (one window per sliding layer,
+     never more) into the reserved slot, while the rank keeps decoding other sequences.
+     `progress()` polls them between steps.
+  3. Committed: both reads done -> the prompt's complete pages go to the host cache (a later
+     turn pulls only what they lack), engine.add_prefilled() (decoding starts next step) and
      Pulled to the prefill rank. A failed read -> pages back, PullFailed to the prefill rank,
      RequestError to the router.
 A Handoff from a socket identity that never said PeerHello is answered PullFailed and
@@ -80,6 +84,7 @@ class _Incoming:
     res: object = None  # engine KVReservation, once pulling
     handles: list = field(default_factory=list)
     pull_start: float = 0.0
+    reused_pages: int = 0  # leading prompt pages loaded from this rank's host cache, not pulled
     aborted: bool = False
     start_after: float = 0.0  # monotonic: no read starts before this (fault injection only)
 
@@ -109,6 +114,8 @@ class HandoffReceiver:
         self._waiting: dict[str, float] = {}  # request id -> monotonic: last Renew while its Handoff waited
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
+        self.pulled_tokens = 0  # prompt tokens whose KV came from a prefill rank, since start
+        self.reused_tokens = 0  # prompt tokens whose KV this rank's host cache already held
 
     @property
     def num_handoffs(self) -> int:
@@ -307,13 +314,41 @@ class HandoffReceiver:
         inc.res, inc.pull_start = res, self.wall()
         self.pulling[h.request_id] = inc
         try:
-            inc.handles.append(self.backend.read(peer, PAGES_REGION, h.pages, PAGES_REGION, res.pages))
+            n = inc.reused_pages = self._reuse(h, res)
+            if n < len(h.pages):
+                inc.handles.append(self.backend.read(peer, PAGES_REGION, h.pages[n:], PAGES_REGION, res.pages[n:]))
             if h.swa_state >= 0:
                 inc.handles.append(self.backend.read(peer, STATES_REGION, [h.swa_state], STATES_REGION,
                                                      [res.swa_slot]))
         except (KeyError, ValueError, RuntimeError) as e:  # the peer vanished, or a bad page id
             log.error("cannot start the pull of %s from %s: %s", h.request_id, peer, e)
             inc.handles.append(None)
+
+    def _reuse(self, h: Handoff, res) -> int:
+        """Load the prompt's leading pages that this rank's host cache holds into the reserved
+        pages; returns how many (the read skips them). Pages only: the SWA rings as of the
+        prompt's end come with the handoff. At least the last page is always read (a lookup
+        leaves the last token)."""
+        hc = getattr(self.engine, "hicache", None)
+        if hc is None:
+            return 0
+        hit = hc.lookup(h.prompt_ids, need_state=False)
+        n = len(hit.path)
+        if not n:
+            hc.release(hit)
+            return 0
+        hc.load(hit, self.engine.pool, res.pages[:n], None)
+        return n
+
+    def _keep(self, h: Handoff, res) -> None:
+        """The prompt's complete pages, just pulled, into the host cache (those it lacks)."""
+        hc = getattr(self.engine, "hicache", None)
+        if hc is None:
+            return
+        try:
+            hc.store(h.prompt_ids, self.engine.pool, res.pages, None)
+        except Exception:  # noqa: BLE001 - a later turn pulls them again; this request goes on
+            log.exception("storing the pages of %s in the host cache failed", h.request_id)
 
     def _poll(self) -> list[Committed]:
         out = []
@@ -338,6 +373,10 @@ class HandoffReceiver:
                 self._fail(inc, 500, f"KV transfer from {self.peers.get(inc.sender, 'a prefill rank')} failed")
             else:
                 self.send_peer(inc.sender, Pulled(rid))
+                reused = min(inc.reused_pages * self.engine.pool.page_size, len(inc.handoff.prompt_ids))
+                self.reused_tokens += reused
+                self.pulled_tokens += len(inc.handoff.prompt_ids) - reused
+                self._keep(inc.handoff, inc.res)
                 if self._commit(inc):
                     out.append(Committed(rid, inc.handoff.times, inc.pull_start, end))
         return out

@@ -46,7 +46,8 @@ class DecodeLoop(RankLoop):
     def extra_stats(self) -> dict:
         r = self.receiver
         return {"handoffs": r.num_handoffs, "transfer_bytes": r.transfer_bytes,
-                "transfer_seconds": r.transfer_seconds}
+                "transfer_seconds": r.transfer_seconds, "handoff_pulled_tokens": r.pulled_tokens,
+                "handoff_reused_tokens": r.reused_tokens}
 
     def wait_s(self) -> float:
         if self.engine.has_unfinished():

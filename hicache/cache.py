@@ -157,12 +157,15 @@ class HostCache:
         self.pool.close()
 
     # ---- lookup and load -------------------------------------------------------------
-    def lookup(self, tokens: Seq[int]) -> Hit:
+    def lookup(self, tokens: Seq[int], need_state: bool | None = None) -> Hit:
         """Longest usable stored prefix of `tokens`, pinned (see PrefixIndex.lookup), after
-        reading what the L3 store adds to the host cache's hit into host pages."""
+        reading what the L3 store adds to the host cache's hit into host pages. `need_state`
+        (default: hybrid models) ends the hit at a stored SWA state; False for pages alone (a
+        decode rank whose handoff brings the state)."""
+        need_state = self.has_swa if need_state is None else need_state
         self._unpin_written()
-        on_host, from_l3 = self._read_l3(tokens) if self.l3 is not None else (0, 0)
-        path = self.index.lookup(tokens, need_state=self.has_swa)
+        on_host, from_l3 = self._read_l3(tokens, need_state) if self.l3 is not None else (0, 0)
+        path = self.index.lookup(tokens, need_state=need_state)
         self.index.pin(path)
         c = self.counters
         c.lookups += 1
@@ -173,7 +176,7 @@ class HostCache:
             c.l3_hit_tokens += max(0, min(len(path), on_host + from_l3) - on_host) * self.page_size
         return Hit(path, self.page_size)
 
-    def _read_l3(self, tokens: Seq[int]) -> tuple[int, int]:
+    def _read_l3(self, tokens: Seq[int], need_state: bool) -> tuple[int, int]:
         """Read the run of `tokens`' pages past the host hit that the store holds (and, hybrid
         models, the deepest SWA state among them, without which they are no hit) into host
         pages, indexed as stored. Returns (pages the host had, pages read). Stops at the first
@@ -185,7 +188,7 @@ class HostCache:
         names = [k.hex() + ".kv" for k in rest]
         n = self.l3.leading(names) if rest else 0
         state_at = -1
-        if n and self.has_swa:
+        if n and need_state:
             with_state = [i for i in range(n) if self.l3.leading([rest[i].hex() + ".swa"])]
             if not with_state:
                 return len(host), 0
@@ -251,13 +254,14 @@ class HostCache:
             self.index.unpin(hit.path)
 
     def load(self, hit: Hit, kv: KVPool, dev_pages: list[int], swa_slot: int | None) -> None:
-        """Copy a hit's pages into `dev_pages` and its SWA state into `swa_slot`; releases the hit.
+        """Copy a hit's pages into `dev_pages` and its SWA state into `swa_slot` (None: pages
+        only); releases the hit.
 
-        Precondition: len(dev_pages) == len(hit.path); swa_slot set for hybrid models.
+        Precondition: len(dev_pages) == len(hit.path).
         """
         try:
             self._copy(self.pool.pages, kv.full, [n.page for n in hit.path], dev_pages, h2d=True)
-            if hit.state is not None:
+            if hit.state is not None and swa_slot is not None:
                 self._copy(self.pool.states, kv.swa, [hit.state], [swa_slot], h2d=True)
             self.index.touch(hit.path)
         finally:

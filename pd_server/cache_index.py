@@ -53,5 +53,13 @@ class RankCacheIndex:
                 hit = i + 1
         return hit * self.page_size
 
+    def page_hit_tokens(self, keys: Sequence[bytes]) -> int:
+        """Prompt tokens of the leading pages the rank holds, states aside: what a decode rank
+        reuses of a handoff (the SWA rings come with it)."""
+        n = 0
+        while n < len(keys) and keys[n] in self.pages:
+            n += 1
+        return n * self.page_size
+
     def expected_hit_tokens(self, prompt_ids: Sequence[int]) -> int:
         return self.hit_tokens(self.keys(prompt_ids))

@@ -344,8 +344,15 @@ class Dispatcher:
             log.info("%s phases: %s", ev.request_id, " ".join(f"{k}={v * 1000:.1f}ms" for k, v in phases.items()))
 
     def _on_stats(self, rank: Rank, s: RankStats) -> None:
-        rank.stats = s
+        last, rank.stats = rank.stats, s
         m, name = self.metrics, rank.name
+        if rank.role == "decode":  # the rank's totals since its start -> counters (a restart starts at 0)
+            for counter, now, before in ((m.handoff_pulled, s.handoff_pulled_tokens,
+                                          last.handoff_pulled_tokens if last else 0),
+                                         (m.handoff_reused, s.handoff_reused_tokens,
+                                          last.handoff_reused_tokens if last else 0)):
+                if now > before:
+                    counter.labels(name).inc(now - before)
         m.rank_queue.labels(name).set(s.waiting)
         m.rank_running.labels(name).set(s.running)
         m.rank_pages.labels(name).set(s.pages_used)

@@ -92,6 +92,10 @@ class RouterMetrics:
                                      "since the rank started", ["rank"], registry=r)
         self.rank_store_bytes = Gauge("pdserve_rank_kv_store_bytes", "bytes a rank read from or wrote to the L3 "
                                       "store, since it started", ["rank", "direction"], registry=r)
+        self.handoff_pulled = Counter("pdserve_handoff_pulled_tokens", "prompt tokens whose KV a decode rank "
+                                      "read from a prefill rank", ["rank"], registry=r)
+        self.handoff_reused = Counter("pdserve_handoff_reused_tokens", "prompt tokens of a handoff whose KV the "
+                                      "decode rank's host cache already held (not read)", ["rank"], registry=r)
         self.rank_handoffs = Gauge("pdserve_rank_handoffs", "prefill: handoffs awaiting Pulled; decode: handoffs "
                                    "queued or being pulled", ["rank"], registry=r)
         self.rank_handoff_pages = Gauge("pdserve_rank_handoff_pages_used", "prefill: handoff-pool pages reserved "

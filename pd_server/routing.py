@@ -127,7 +127,8 @@ def make_policy(name: str) -> RoutingPolicy:
     return POLICIES[name]()
 
 
-def pick_decode_rank(registry: RankRegistry, req: RouteRequest, max_inflight: int, pack: int = 0) -> Rank:
+def pick_decode_rank(registry: RankRegistry, req: RouteRequest, max_inflight: int, pack: int = 0,
+                     load_tokens: int = 256) -> Rank:
     """The decode rank for a PD request: fewest requests in flight as the router counts them
     (exact, and counts requests still prefilling for it), then fewest KV pages used and
     running sequences from its last stats. Raises APIError like pick_rank.
@@ -136,7 +137,10 @@ def pick_decode_rank(registry: RankRegistry, req: RouteRequest, max_inflight: in
     stay within `pack` with this one, the fullest takes it; only when none can does the least
     loaded (an idle rank, or one past `pack` once every rank is) take it. Each decode step reads
     every weight once, however many rows it runs, so where the ranks share cores one step of 8
-    rows costs less CPU than two of 4, and the idle rank lends its core (core_board.py)."""
+    rows costs less CPU than two of 4, and the idle rank lends its core (core_board.py).
+    Otherwise the prompt's leading pages a rank's host cache holds (an earlier turn handed off
+    there: it reads only the rest) count as in CacheAware: `load_tokens` prompt tokens of reuse
+    outweigh one request in flight."""
     live = registry.live("decode")
     if not live:
         state = "still loading" if registry.status == "loading" else "not available"
@@ -153,7 +157,18 @@ def pick_decode_rank(registry: RankRegistry, req: RouteRequest, max_inflight: in
         filling = [r for r in room if r.inflight and len(r.inflight) + req.num_seqs <= pack]
         if filling:
             return min(filling, key=lambda r: (-len(r.inflight), *load(r)[1:]))
-    return min(room, key=load)
+    keys: dict[tuple[bytes, int], list[bytes]] = {}
+
+    def reuse(r: Rank) -> int:
+        c = r.cache
+        if c is None:
+            return 0
+        ns = (c.root, c.page_size)
+        if ns not in keys:
+            keys[ns] = c.keys(req.prompt_ids)
+        return c.page_hit_tokens(keys[ns])
+
+    return min(room, key=lambda r: (load_tokens * len(r.inflight) - reuse(r), *load(r)[1:]))
 
 
 def pick_rank(registry: RankRegistry, policy: RoutingPolicy, req: RouteRequest, role: str,

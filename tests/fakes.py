@@ -129,7 +129,8 @@ class FakeEngine:
 
     def __init__(self, room: int = 64, page_size: int = 16, swa: bool = False, seq_room: int = 8) -> None:
         self.room, self.seq_room = room, seq_room
-        self.pool = SimpleNamespace(pages_for=lambda n: -(-n // page_size), swa_layers=(1,) if swa else ())
+        self.pool = SimpleNamespace(pages_for=lambda n: -(-n // page_size), swa_layers=(1,) if swa else (),
+                                    page_size=page_size)
         self.seqs: dict[str, object] = {}
         self.reserved: list[KVReservation] = []
         self.committed: list[tuple] = []

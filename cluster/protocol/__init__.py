@@ -32,7 +32,8 @@ from typing import Literal
 # 5: Sampling.grammar (a constrained request's (kind, text); also in Handoff.sampling), and
 # Generate.resume_ids (a request moved from a dead rank). 6: Renew (decode -> prefill: renewable
 # handoff leases). 7: Hello.node (the rank's host, for /health). 8: RankStats' L3 counters
-# (kv_store_hit_tokens, kv_store_read_bytes, kv_store_written_bytes).
+# (kv_store_hit_tokens, kv_store_read_bytes, kv_store_written_bytes) and handoff counters
+# (handoff_pulled_tokens, handoff_reused_tokens: a decode rank reads only what it lacks).
 PROTOCOL_VERSION = 8
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (cluster/auth.py).

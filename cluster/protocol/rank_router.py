@@ -106,6 +106,8 @@ class RankStats(msgspec.Struct, frozen=True, array_like=True, tag="stats"):
     kv_store_hit_tokens: int = 0  # of host_cache_hit_tokens, those read from the L3 store (--kv-store)
     kv_store_read_bytes: int = 0  # bytes read from the L3 store, since start
     kv_store_written_bytes: int = 0  # bytes written to it, since start
+    handoff_pulled_tokens: int = 0  # decode: prompt tokens whose KV was read from a prefill rank, since start
+    handoff_reused_tokens: int = 0  # decode: prompt tokens whose KV its own host cache held (not read)
 
 
 class RequestError(msgspec.Struct, frozen=True, array_like=True, tag="error"):

@@ -1,7 +1,9 @@
 """The L3 tier on real processes (`--kv-store file:DIR`): a prefix one rank computed is a hit on
 another rank of the host (round-robin routing sends each turn to the other rank, whose host
 cache never saw it), and after a restart over the same directory; the greedy text is the same
-whichever tier served the prefix, and /metrics counts the store's hits and bytes.
+whichever tier served the prefix, and /metrics counts the store's hits and bytes. In PD mode a
+decode rank keeps every handed-off prompt's pages, so the next turn's handoff reads only what it
+lacks (pdserve_handoff_reused_tokens), with the colocated text.
 """
 from __future__ import annotations
 
@@ -56,3 +58,29 @@ def test_a_prefix_is_a_hit_on_another_rank_and_after_a_restart(tmp_path):
                           "the rank's stats to count the store's hit")
     finally:
         stop_system(system)
+
+
+def test_a_decode_rank_reads_only_what_it_lacks_with_the_colocated_text(tmp_path):
+    turn1 = [{"role": "system", "content": STORY}, {"role": "user", "content": "Name a colour."}]
+    colocated = start_system(tmp_path / "c", ["--colocated", "1", *COMMON], timeout=420)
+    try:
+        answer1, _, _ = chat(colocated, turn1)
+        turn2 = turn1 + [{"role": "assistant", "content": answer1}, {"role": "user", "content": "And another?"}]
+        answer2, _, _ = chat(colocated, turn2)
+    finally:
+        stop_system(colocated)
+    pd = start_system(tmp_path / "pd", ["--prefill", "1", "--decode", "1", "--transfer", "shm", "--disagg", "always",
+                                        "--handoff-pool-gb", "0.2", *COMMON], timeout=420)
+    try:
+        assert chat(pd, turn1)[0] == answer1
+        pd.wait_until(lambda: metric(pd, "pdserve_handoff_pulled_tokens_total") > 0, 10, "the first pull counted")
+        pulled1 = metric(pd, "pdserve_handoff_pulled_tokens_total")
+        assert metric(pd, "pdserve_handoff_reused_tokens_total") == 0
+        assert chat(pd, turn2)[0] == answer2
+        reused = pd.wait_until(lambda: metric(pd, "pdserve_handoff_reused_tokens_total"), 10,
+                               "the second turn's reuse counted")
+        assert reused >= pulled1 // 16 * 16 - 16  # the first prompt's complete pages, not read again
+        pulled2 = metric(pd, "pdserve_handoff_pulled_tokens_total") - pulled1
+        assert pulled2 < reused  # the second turn read only its new pages
+    finally:
+        stop_system(pd)

@@ -273,3 +273,42 @@ def test_renewals_within_a_step_skip_a_handoff_whose_lease_is_gone():
     rig.rx.progress()
     [err] = rig.errors()
     assert err.request_id == "gone" and "lease" in err.message and "live" in rig.rx.pulling
+
+
+def test_a_later_turn_reads_only_the_pages_this_rank_does_not_hold():
+    """Every handed-off prompt's complete pages go to the rank's host cache at commit; the next
+    turn of the conversation (its prompt extends the last) loads those from it and reads only
+    the rest from the prefill rank; the counters say which is which."""
+    from hicache.cache import HostCache
+    from hicache.index import PrefixIndex, namespace_key
+    from hicache.pool import HostPool, HostPoolLayout, default_shm_name
+
+    rig = Rig()
+    dev = rig.world.regions[("decode-agent", PAGES_REGION)]  # [64 pages, 4 floats]
+    rig.engine.pool.full = dev
+    layout = HostPoolLayout(default_shm_name(), "float32", 8, (4,), 0, (0,))
+    rig.engine.hicache = HostCache(HostPool.create(layout), PrefixIndex(namespace_key("m", "float32", 16), 16),
+                                   has_swa=False)
+    try:
+        rig.hello()
+        rig.rx.on_handoff(PEER, handoff("r1", 40, (5, 9, 2)))
+        assert rig.rx.progress() == []
+        rig.backend.complete()
+        assert [c.request_id for c in rig.rx.progress()] == ["r1"]
+        first = rig.engine.committed[0][4].pages
+        turn2 = Handoff("r2", list(range(1, 71)), 77, Sampling(max_tokens=8, temperature=0.0), 0,
+                        [10, 11, 12, 13, 14], -1, LEASE_S, PrefillTimes(1.0, 1.1, 1.2, 1.3))
+        rig.rx.on_handoff(PEER, turn2)
+        assert rig.rx.progress() == []
+        read = rig.backend.reads[-1]
+        res = rig.engine.reserved[0]
+        assert read.remote_pages == [12, 13, 14] and read.local_pages == res.pages[2:]
+        rig.backend.complete()
+        assert [c.request_id for c in rig.rx.progress()] == ["r2"]
+        src = rig.world.regions[("prefill-agent", PAGES_REGION)]
+        assert dev[res.pages[:2]].equal(src[[5, 9]]) and dev[res.pages[:2]].equal(dev[first[:2]])
+        assert dev[res.pages[2:]].equal(src[[12, 13, 14]])
+        assert (rig.rx.reused_tokens, rig.rx.pulled_tokens) == (32, 40 + 38)
+        assert rig.answers("r2") == [Pulled("r2")] and rig.errors() == []
+    finally:
+        rig.engine.hicache.close()
