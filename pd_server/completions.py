@@ -36,7 +36,7 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
         for p in req.prompts:
             if isinstance(p, str):
                 ctx.check_prompt_chars(p, max_len, "prompt")
-                p = list(ctx.tokenizer(p).input_ids)
+                p = list(ctx.tok(p).input_ids)
             check_prompt(p, max_len, vocab, "prompt")
             prompts.append(p)
         return prompts
@@ -70,7 +70,7 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
 
 
 def _echo(ctx: ServerContext, req: CompletionRequest, prompt: str | list[int]) -> str:
-    return prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt, skip_special_tokens=False)
+    return prompt if isinstance(prompt, str) else ctx.tok.decode(prompt, skip_special_tokens=False)
 
 
 class _CompletionStream:

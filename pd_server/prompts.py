@@ -17,7 +17,9 @@
 """
 from __future__ import annotations
 
+import copy
 import json
+import threading
 from dataclasses import dataclass
 
 from pd_server.api_models import ChatCompletionRequest, NamedToolChoice
@@ -53,10 +55,22 @@ class RenderedChat:
 
 class ChatRenderer:
     def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+        self._base = tokenizer
+        self._local = threading.local()
         self.template = getattr(tokenizer, "chat_template", None)
         self.fallback = not self.template
         self.knows_tools = bool(self.template) and "tools" in self.template
+
+    @property
+    def tokenizer(self):
+        """This thread's copy of the tokenizer. A Hugging Face fast tokenizer is one PyO3 object
+        whose encode takes a mutable borrow: two threads using one at once raise "Already
+        borrowed" (vLLM #40949). The event loop and each request-work thread keep their own
+        (a deep copy made on the thread's first use; the original is only ever copied)."""
+        tok = getattr(self._local, "tok", None)
+        if tok is None:
+            tok = self._local.tok = copy.deepcopy(self._base)
+        return tok
 
     def render(self, req: ChatCompletionRequest, add_generation_prompt: bool = True,
                check_text=None) -> RenderedChat:

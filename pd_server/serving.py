@@ -46,6 +46,12 @@ class ServerContext:
     work: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         max(2, min(4, os.cpu_count() or 2)), thread_name_prefix="request-work"))
 
+    @property
+    def tok(self):
+        """This thread's tokenizer (ChatRenderer.tokenizer): use it, never `tokenizer`, which
+        is the original the copies are made from."""
+        return self.renderer.tokenizer
+
     async def offload(self, fn, *args):
         """fn(*args) on the request-work pool, awaited; its exceptions (APIError) propagate."""
         return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
@@ -54,7 +60,7 @@ class ServerContext:
     def longest_token_chars(self) -> int:
         """The most characters any one token spells (a byte-level token's length is its bytes,
         at least its characters): a text of more than max_model_len times this cannot fit."""
-        return max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+        return max((len(t) for t in self.tok.get_vocab()), default=1) or 1
 
     def max_prompt_chars(self, max_model_len: int) -> int:
         """Characters past which a prompt is refused before it is tokenized (it has at least
@@ -90,14 +96,15 @@ class ServerContext:
 
         g = self._grammars
         if g is None or g.vocab_size != vocab_size:
-            eos = getattr(self.tokenizer, "eos_token_id", None)
-            g = self._grammars = GrammarCompiler(lambda: self.tokenizer, vocab_size, [] if eos is None else [eos])
+            eos = getattr(self.tok, "eos_token_id", None)
+            # (called on the compiling worker thread: its own copy)
+            g = self._grammars = GrammarCompiler(lambda: self.tok, vocab_size, [] if eos is None else [eos])
         return g
 
     def token_text(self, token_id: int) -> str:
         t = self._token_text.get(token_id)
         if t is None:
-            t = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            t = self._token_text[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
         return t
 
 

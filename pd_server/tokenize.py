@@ -36,7 +36,7 @@ def tokenize(req: TokenizeRequest, ctx: ServerContext) -> TokenizeResponse:
     """Request-sized work: the app runs it off the event loop (ServerContext.offload). A text
     that could never fit the context is refused before it is tokenized."""
     ctx.check_model(req.model)
-    tok = ctx.tokenizer
+    tok = ctx.tok
     max_len = ctx.registry.max_model_len
     if req.messages is not None:
         chat = ChatCompletionRequest(messages=req.messages, tools=req.tools)
@@ -52,9 +52,9 @@ def tokenize(req: TokenizeRequest, ctx: ServerContext) -> TokenizeResponse:
 
 def detokenize(req: DetokenizeRequest, ctx: ServerContext) -> DetokenizeResponse:
     ctx.check_model(req.model)
-    vocab = len(ctx.tokenizer)
+    vocab = len(ctx.tok)
     bad = next((i for i, t in enumerate(req.tokens) if t >= vocab), None)
     if bad is not None:
         raise bad_request(f"tokens.{bad}: {req.tokens[bad]} is not a token id (the vocabulary has {vocab})",
                           f"tokens.{bad}")
-    return DetokenizeResponse(ctx.tokenizer.decode(req.tokens))
+    return DetokenizeResponse(ctx.tok.decode(req.tokens))
