@@ -33,7 +33,7 @@ import random
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -221,18 +221,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model", default="")
     ap.add_argument("--out", default="")
+    ap.add_argument("--baseline", default="", metavar="DIR:NAME,NAME",
+                    help="also run these configs from another checkout (a `git worktree` of an earlier "
+                         "commit whose .venv links to this one's), named NAME@base: a before/after in one run")
     a = ap.parse_args(argv)
     w = Workload(**{k: getattr(a, k) for k in Workload.__dataclass_fields__})
-    configs = parse_configs(a.configs, a.config)
+    configs = [(c, servers.ROOT) for c in parse_configs(a.configs, a.config)]
+    if a.baseline:
+        where, _, names = a.baseline.partition(":")
+        configs += [(replace(c, name=c.name + "@base"), Path(where).resolve()) for c in parse_configs(names, [])]
     out = Path(a.out or f"runs/kv-reuse-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     last = [w.session_prompts(i)[-1] for i in range(w.sessions)]
     print(f"workload: {asdict(w)}; working set {sum(map(len, last))} tokens "
           f"({sum(map(len, last)) / w.sessions:.0f} a session at its last turn)", flush=True)
-    results: dict[str, list[Result]] = {c.name: [] for c in configs}
+    results: dict[str, list[Result]] = {c.name: [] for c, _ in configs}
     for rep in range(a.repeats):
-        for cfg in configs:
-            server = servers.make(cfg, a.port, a.model, out / f"{cfg.name}-{rep}")
+        for cfg, root in configs:
+            server = servers.make(cfg, a.port, a.model, out / f"{cfg.name}-{rep}", root=root)
             try:
                 startup = server.start(900)
                 model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]

@@ -25,7 +25,6 @@ from bench.agentx import process_group
 from bench.mission.configs import VLLM, Config
 
 ROOT = Path(__file__).resolve().parents[2]
-PD_START = ROOT / "scripts" / "pd_start.sh"
 PEER_VLLM = ROOT / "scripts" / "peer_vllm.sh"
 VLLM_VENV = ROOT / ".venv-vllm"
 
@@ -44,11 +43,13 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 class PdStart:
-    def __init__(self, cfg: Config, port: int, model: str, run_dir: Path) -> None:
-        self.port, self.run_dir = port, run_dir
+    def __init__(self, cfg: Config, port: int, model: str, run_dir: Path, root: Path = ROOT) -> None:
+        """`root`: the checkout whose scripts/pd_start.sh runs (another one: a before/after)."""
+        self.port, self.run_dir, self.root = port, run_dir, root
+        self.pd_start = root / "scripts" / "pd_start.sh"
         self.url = f"http://127.0.0.1:{port}"
-        self.command = [str(PD_START), *cfg.flags, "--port", str(port), *(["--model", model] if model else [])]
-        self.port_dir = ROOT / "runs" / str(port)
+        self.command = [str(self.pd_start), *cfg.flags, "--port", str(port), *(["--model", model] if model else [])]
+        self.port_dir = root / "runs" / str(port)
         self._made_port_dir = not self.port_dir.exists()
         self._started = False
 
@@ -60,7 +61,7 @@ class PdStart:
         with open(self.run_dir / "pd_start.log", "wb") as log:
             # pd_start.sh gives up by itself after PD_START_TIMEOUT_S; the margin covers its
             # bootstrap check and its own stop.
-            rc = subprocess.run(self.command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+            rc = subprocess.run(self.command, cwd=self.root, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, timeout=timeout_s + 120).returncode
         elapsed = time.monotonic() - t0
         if rc != 0:
@@ -74,7 +75,7 @@ class PdStart:
         pid_file = self.port_dir / "pd_start.pid"
         pgid = int(pid_file.read_text()) if pid_file.exists() else None
         with open(self.run_dir / "pd_stop.log", "wb") as log:
-            subprocess.run([str(PD_START), "stop", "--port", str(self.port)], cwd=ROOT,
+            subprocess.run([str(self.pd_start), "stop", "--port", str(self.port)], cwd=self.root,
                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, timeout=120)
         clean = "SIGKILL" not in (self.run_dir / "pd_stop.log").read_text(errors="replace")
         if pgid is not None and process_group.group_alive(pgid):  # pd_start.sh does not check after its SIGKILL
@@ -124,8 +125,10 @@ class VllmPeer:
         return True if self.proc is None else process_group.stop(self.proc, self.stop_timeout_s)
 
 
-def make(cfg: Config, port: int, model: str, run_dir: Path, stop_timeout_s: float = 30.0) -> PdStart | VllmPeer:
-    """The server for `cfg` on 127.0.0.1:`port` (`model`: "" for each script's default)."""
+def make(cfg: Config, port: int, model: str, run_dir: Path, stop_timeout_s: float = 30.0,
+         root: Path = ROOT) -> PdStart | VllmPeer:
+    """The server for `cfg` on 127.0.0.1:`port` (`model`: "" for each script's default; `root`:
+    the checkout whose pd_start.sh starts it)."""
     if cfg.peer == VLLM:
         return VllmPeer(port, model, run_dir, stop_timeout_s)
-    return PdStart(cfg, port, model, run_dir)
+    return PdStart(cfg, port, model, run_dir, root)
