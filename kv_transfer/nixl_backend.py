@@ -33,9 +33,11 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import ClassVar
 
@@ -59,8 +61,23 @@ logger = logging.getLogger(__name__)
 _BINDING_MODULES = ("nixl._bindings", "nixl_cu12._bindings", "nixl_cu13._bindings")
 
 
+def _skip_ucx_ib_without_rdma() -> None:
+    """UCX_MODULES=^ib where this host has no RDMA device (and the user set no UCX_MODULES).
+
+    NIXL's wheel bundles UCX with its own libibverbs and libnl. Where Debian's rdma-core
+    (ibverbs-providers, which Mooncake's master needs) is installed, that libibverbs loads the
+    system's verbs providers, which bring the system's libnl-route: two copies of it in one
+    process, and the second's destructor segfaults at exit (every process that made a NIXL
+    agent then exits 139). Without an RDMA device the IB transports have nothing to drive;
+    with one, UCX loads them as before."""
+    rdma = Path("/sys/class/infiniband")
+    if "UCX_MODULES" not in os.environ and not (rdma.is_dir() and any(rdma.iterdir())):
+        os.environ["UCX_MODULES"] = "^ib"
+
+
 def load_nixl() -> ModuleType:
     """NIXL's pybind module; ImportError naming every module tried when none imports."""
+    _skip_ucx_ib_without_rdma()
     errors = []
     for name in _BINDING_MODULES:
         try:

@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from kv_transfer.base import (
 )
 from kv_transfer.shm_backend import ShmBackend, find_shm_file, shm_tensor, unlink_shm
 
+ROOT = Path(__file__).resolve().parents[3]
 OWNER_PAGES = 64
 LOCAL_PAGES = 48
 PAGE_SHAPE = (2, 3, 64)  # [k/v, kv_heads, head_dim] in int16: 768 bytes a page
@@ -299,3 +301,20 @@ def test_make_backend_choices() -> None:
         assert auto.kind in ("nixl", "shm")
     finally:
         auto.close()
+
+
+def test_a_process_that_made_a_nixl_agent_exits_cleanly() -> None:
+    """A process that made (and closed) a NIXL agent exits 0. Where Debian's rdma-core is
+    installed, UCX's IB modules used to load a second libnl-route whose destructor segfaulted at
+    exit: every rank, and this test suite's own interpreter after its summary, exited 139
+    (nixl_backend._skip_ucx_ib_without_rdma). Checked in a child process, so a crash at exit
+    fails here, by name."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("nixl_cu12", reason="NIXL is not installed")
+    code = ("from kv_transfer.nixl_backend import NixlBackend\n"
+            "b = NixlBackend('exit-check', progress_thread=False)\nb.close()\n")
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr.decode(errors="replace")[-2000:])
