@@ -2,7 +2,7 @@
 computed again, and what each cache tier saves (issue: KV computed once per cluster).
 
     .venv/bin/python -m bench.bench_kv_reuse --configs 2P2D,colocated-2 \
-        [--config NAME='pd_start flags' ...] [--sessions 48] [--concurrency 8] [--duration-s 300] \
+        [--config NAME='pd_start flags' ...] [--sessions 96] [--alive 48] [--concurrency 8] [--duration-s 300] \
         [--turns 12] [--system-tokens 1024] [--turn-tokens 320] [--output-tokens 32] [--think-s 2] [--max-prompt 7000] \
         [--repeats 1] [--seed 0] [--port 8000] [--out runs/kv-reuse-<time>]
 
@@ -11,10 +11,12 @@ then replays the same sessions (same seed), one after another:
   - a session is an agent's conversation: one of 4 shared system prompts (an agent type),
     then turns; turn t's prompt is turn t-1's prompt plus that turn's answer (the trace's, as
     aiperf replays a trace: synthetic tokens, not the model's) plus a new tool result; every
-    request asks for --output-tokens greedy tokens (ignore_eos). Sessions think --think-s
-    (exponential) between turns; at most --concurrency sessions are active, a finished or
-    context-full session is replaced by the next, and the run ends at --duration (the turns in
-    flight finish).
+    request asks for --output-tokens greedy tokens (ignore_eos). --alive sessions are open at
+    once, each thinking --think-s (exponential) between its turns, at most --concurrency
+    requests in flight (the rest queue in the client); a finished or context-full session is
+    replaced by the next of --sessions (then they start over, as new plays with a new task),
+    and the run ends at --duration-s (the turns in flight finish). With many sessions alive the
+    prefixes the turns reuse are many times what the host caches hold.
   - prompts are token ids (/v1/completions), so the reuse ceiling is exact: for each request,
     the longest prefix of whole pages (16 tokens) that some earlier request's prompt shared,
     over all prompt tokens sent (what a cache of unbounded size with no eviction would hit).
@@ -48,7 +50,8 @@ VOCAB_LO, VOCAB_HI = 1000, 40000  # ordinary word-piece ids of SmolLM2's vocabul
 
 @dataclass(frozen=True)
 class Workload:
-    sessions: int = 48
+    sessions: int = 96
+    alive: int = 48
     concurrency: int = 8
     duration_s: float = 300.0
     turns: int = 12
@@ -59,9 +62,10 @@ class Workload:
     max_prompt: int = 7000  # below SmolLM2's 8192 context, with room for the answer
     seed: int = 0
 
-    def session_prompts(self, i: int) -> list[list[int]]:
-        """Session i's prompts, turn by turn (the same for every configuration)."""
-        rng = random.Random(self.seed * 1_000_003 + i)
+    def session_prompts(self, i: int, play: int = 0) -> list[list[int]]:
+        """Session i's prompts, turn by turn (the same for every configuration); a later play
+        of it has the same agent prompt and a new task."""
+        rng = random.Random((self.seed * 1_000_003 + i) * 1009 + play)
         agent = random.Random(self.seed * 7919 + i % AGENT_TYPES)
         prompt = [agent.randrange(VOCAB_LO, VOCAB_HI) for _ in range(self.system_tokens)]
         prompt += [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(self.turn_tokens)]  # the task
@@ -137,24 +141,27 @@ async def replay(url: str, model: str, w: Workload) -> tuple[list[Sent], float]:
     next_session = 0
     lock = asyncio.Lock()
     limits = httpx.Limits(max_connections=w.concurrency * 2)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+    in_flight = asyncio.Semaphore(w.concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
 
-        async def worker() -> None:
+        async def session_slot(slot: int) -> None:
             nonlocal next_session
+            rng = random.Random(w.seed * 31 + slot)
+            await asyncio.sleep(rng.uniform(0, w.think_s))  # (the sessions do not all start at once)
             while time.monotonic() < deadline:
                 async with lock:
                     i, next_session = next_session, next_session + 1
-                rng = random.Random(w.seed * 31 + i)
-                for t, prompt in enumerate(w.session_prompts(i % w.sessions)):
+                for t, prompt in enumerate(w.session_prompts(i % w.sessions, play=i // w.sessions)):
                     if time.monotonic() >= deadline:
                         return
-                    rec = Sent(i, t, len(prompt), ceiling.add(prompt))
-                    sent.append(rec)
-                    await one_request(http, model, prompt, w, rec)
+                    async with in_flight:
+                        rec = Sent(i, t, len(prompt), ceiling.add(prompt))
+                        sent.append(rec)
+                        await one_request(http, model, prompt, w, rec)
                     await asyncio.sleep(rng.expovariate(1 / w.think_s) if w.think_s else 0)
 
         start = time.monotonic()
-        await asyncio.gather(*(worker() for _ in range(w.concurrency)))
+        await asyncio.gather(*(session_slot(s) for s in range(w.alive)))
         return sent, time.monotonic() - start
 
 

@@ -207,9 +207,13 @@ class EngineConfig:
     hicache_state_slots: int = 16  # SWA states it holds (hybrid models only), out of hicache_size_gb
     hicache_shm_name: str = ""  # file under /dev/shm; "" -> pdserve-hicache-<pid>-<random>
     # The L3 tier behind the host cache (hicache/store.py): "file:DIR" keeps every stored page
-    # in DIR (shared by the ranks of a host, kept across restarts); "" none.
+    # in DIR (shared by the ranks of a host, kept across restarts); "mooncake" a Mooncake Store
+    # the launcher starts (mooncake://HOST:PORT?metadata=URL: an existing one), shared by every
+    # rank that reaches it; "" none.
     kv_store: str = ""
-    kv_store_size_gb: float = 0.0  # the store's capacity; 0: a quarter of its disk's free space, <= 64
+    # file: the store's capacity (0: a quarter of its disk's free space, <= 64); mooncake: the
+    # memory each rank gives the store (0: 1 GiB)
+    kv_store_size_gb: float = 0.0
     # Directory (tmpfs) where the ranks of one host map one read-only copy of the weights
     # (engine/shared_weights.py); "" keeps a private copy. The launcher sets it for its ranks.
     shared_weights_dir: str = ""
@@ -228,8 +232,9 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.hicache_size_gb < 0 or self.hicache_state_slots < 0:
             raise ValueError("hicache_size_gb and hicache_state_slots must be >= 0")
-        if self.kv_store and not (self.kv_store.startswith("file:") and len(self.kv_store) > 5):
-            raise ValueError(f"kv_store must be file:DIR, got {self.kv_store!r}")
+        if self.kv_store and not ((self.kv_store.startswith("file:") and len(self.kv_store) > 5)
+                                  or self.kv_store == "mooncake" or self.kv_store.startswith("mooncake://")):
+            raise ValueError(f"kv_store must be file:DIR, mooncake or mooncake://HOST:PORT, got {self.kv_store!r}")
         if self.kv_store_size_gb < 0:
             raise ValueError("kv_store_size_gb must be >= 0")
         if "/" in self.hicache_shm_name:

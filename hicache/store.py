@@ -24,14 +24,16 @@ Several processes may share a directory: a race costs a miss, never a wrong page
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import shutil
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +62,92 @@ class KVStore(ABC):
         pass
 
 
+STORE_SPECS = ("file:DIR (a directory on this host), mooncake (the launcher starts a Mooncake master with the "
+               "system) or mooncake://HOST:RPC_PORT?metadata=http://HOST:PORT/metadata (an existing master)")
+
+
 def parse_store(spec: str) -> tuple[str, str]:
-    """`file:DIR` -> ("file", DIR). Raises ValueError naming what is accepted."""
+    """`file:DIR` -> ("file", DIR); `mooncake` -> ("mooncake", ""); `mooncake://HOST:PORT[?metadata=URL]`
+    -> ("mooncake", spec). Raises ValueError naming what is accepted."""
     kind, sep, where = spec.partition(":")
     if kind == "file" and sep and where:
         return kind, where
-    raise ValueError(f"kv_store must be file:DIR (a directory on this host), got {spec!r}")
+    if spec == "mooncake":
+        return "mooncake", ""
+    if spec.startswith("mooncake://"):
+        u = urlsplit(spec)
+        if u.hostname and u.port:
+            return "mooncake", spec
+    raise ValueError(f"kv_store must be {STORE_SPECS}, got {spec!r}")
 
 
 def open_store(spec: str, capacity_gb: float) -> KVStore:
-    """The store `spec` names (parse_store), with `capacity_gb` (0: derived from free space)."""
+    """The store `spec` names (parse_store), with `capacity_gb`: FileStore's size (0: derived
+    from free space), or the memory this rank gives a Mooncake store (0: 1 GiB)."""
     kind, where = parse_store(spec)
-    return FileStore(Path(where), capacity_gb)
+    if kind == "file":
+        return FileStore(Path(where), capacity_gb)
+    if not where:
+        raise ValueError("kv_store mooncake: the launcher starts the master and passes each rank its address")
+    from hicache.mooncake_store import MooncakeStore
+
+    u = urlsplit(where)
+    metadata = parse_qs(u.query).get("metadata", [f"http://{u.hostname}:{u.port + 1}/metadata"])[0]
+    return MooncakeStore(f"{u.hostname}:{u.port}", metadata, local_hostname=_address_towards(u.hostname),
+                         global_segment_bytes=int((capacity_gb or 1.0) * 2**30))
+
+
+def _address_towards(host: str) -> str:
+    """This host's address on the route to `host` (loopback for a master on loopback)."""
+    import socket
+
+    if host.startswith("127.") or host == "localhost":
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # (UDP: no packet is sent)
+        return s.getsockname()[0]
+
+
+class StoreUnavailable(RuntimeError):
+    """The launcher cannot provide the store asked for (what is missing is in the message)."""
+
+
+@contextlib.contextmanager
+def store_for_launch(spec: str, log_dir: Path, on_ray: str = "") -> Iterator[str]:
+    """The launcher's side of `spec`, yielding what its ranks get: `mooncake` starts a master
+    on loopback for as long as the block runs (in the launcher's process group, so a stop of the
+    group ends it too) and yields the address the ranks join; any other spec is yielded as it
+    is. Raises StoreUnavailable naming what is missing (scripts/setup_mooncake.sh installs it)
+    or a spec the ranks could not use."""
+    if spec != "mooncake":
+        if spec:
+            try:
+                parse_store(spec)
+            except ValueError as e:
+                raise StoreUnavailable(str(e)) from None
+        yield spec
+        return
+    if on_ray:
+        raise StoreUnavailable("with --ray, start a Mooncake master every node reaches and pass "
+                               "mooncake://HOST:RPC_PORT?metadata=http://HOST:PORT/metadata")
+    import socket
+
+    from hicache.mooncake_store import start_master, stop_master
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = start_master(ports[0], ports[1], log_dir / "mooncake-master.log", own_group=False)
+    except RuntimeError as e:
+        raise StoreUnavailable(str(e)) from None
+    try:
+        yield f"mooncake://127.0.0.1:{ports[0]}?metadata=http://127.0.0.1:{ports[1]}/metadata"
+    finally:
+        stop_master(proc)
 
 
 class FileStore(KVStore):

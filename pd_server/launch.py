@@ -13,8 +13,8 @@
      --num-threads 0 -> cores // ranks, at least 1). PD mode (--prefill N --decode M, no
      colocated ranks): the handoff flags go to every PD rank, --prefill-host/--decode-host
      become their --host (their rank-to-rank address); the router introduces them (Peers).
-     Every rank gets a host KV cache of --hicache-size-gb GiB (0.25 by default here; 0 turns
-     it off): prefix hits across requests, and what cache-aware routing routes by.
+     Every rank gets a host KV cache of --hicache-size-gb GiB (0.25 here; 0: none), and with
+     --kv-store an L3 tier behind it (hicache/store.py; `mooncake`: a master started here).
   3. Serve HTTP (uvicorn) until SIGINT/SIGTERM; /health turns 200 once every rank said Hello.
      The supervisor (supervisor.py) watches the rank processes: removes the shared memory of
      dead ones and, with --supervise, restarts them (--max-restarts, --restart-backoff-s).
@@ -25,8 +25,7 @@
   4. On the way out: Shutdown to every rank, wait a few seconds, then SIGTERM/SIGKILL any
      that remain. Ranks also exit by themselves when the router goes silent (5 s), so a
      killed launcher leaves nothing running.
-With --ray ADDRESS|auto the ranks are Ray actors on the cluster's nodes instead of children of
-this process (ray_ranks.py: placement, restarts by Ray, stop); the router stays here.
+With --ray ADDRESS|auto the ranks are Ray actors on the cluster's nodes (ray_ranks.py); the router stays here.
 """
 from __future__ import annotations
 
@@ -45,15 +44,15 @@ from pathlib import Path
 from cluster import settings
 from cluster.auth import SECRET_ENV
 from cluster.cli_args import add_dataclass_args, from_args, opt
+from hicache.store import StoreUnavailable, store_for_launch
 from pd_server.config import RouterConfig
 from rank_runtime.config import HandoffConfig
 from rank_runtime.core_board import board_path, create_board, home_cpus, host_cpus, remove_stale_launcher_paths
 
 log = logging.getLogger("pd_server.launch")
 EXIT_USAGE = 2
-# GiB of shared memory per rank for its host KV cache (the engine's default is off). 0.25 GiB is
-# ~11k tokens of smollm2-135m in bf16 (in float32 the launcher doubles it: _pools_for_dtype);
-# 2 ranks + router fit a 24 GiB box with plenty to spare.
+# GiB of shared memory per rank for its host KV cache (the engine's default is off): ~11k tokens of
+# smollm2-135m in bf16 (doubled in float32: _pools_for_dtype).
 HOST_CACHE_GB = 0.25
 
 
@@ -385,12 +384,16 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%d rank(s), %d torch thread(s) each, %s%s", launch.num_ranks, engine_cfg.num_threads, engine_cfg.dtype,
              f"; decode ranks filled {cfg.decode_pack} requests at a time (--decode-pack)" if cfg.decode_pack else "")
     engine_cfg, handoff = _pools_for_dtype(engine_cfg, handoff, argv if argv is not None else sys.argv[1:])
-
     from engine.model_cache import cached_model_dir, served_name
 
     model_dir = cached_model_dir(engine_cfg.model)  # converts a GGUF once, before any rank starts
     model_name = cfg.served_model_name or served_name(engine_cfg.model)
-    asyncio.run(serve(cfg, engine_cfg, launch, model_dir, model_name, handoff))
+    try:  # --kv-store mooncake: a master for this system, stopped with it
+        with store_for_launch(engine_cfg.kv_store, Path(launch.run_dir or tempfile.gettempdir()), launch.ray) as kv:
+            asyncio.run(serve(cfg, replace(engine_cfg, kv_store=kv), launch, model_dir, model_name, handoff))
+    except StoreUnavailable as e:
+        print(f"error: --kv-store {engine_cfg.kv_store}: {e}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 

@@ -6,6 +6,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/bootstrap.sh"
 # The optional Ray extra, for tests/e2e/test_e2e_ray.py (which skips, saying why, without it).
 "$ROOT/scripts/setup_ray.sh" || echo "[test] Ray could not be installed: its tests will be skipped" >&2
+# The optional Mooncake Store L3 tier, for its tests (which skip, saying why, without it).
+"$ROOT/scripts/setup_mooncake.sh" || echo "[test] Mooncake could not be installed: its tests will be skipped" >&2
 cd "$ROOT"
 set +e
 .venv/bin/python -m pytest "${@:-tests}"

@@ -84,3 +84,31 @@ def test_a_decode_rank_reads_only_what_it_lacks_with_the_colocated_text(tmp_path
         assert pulled2 < reused  # the second turn read only its new pages
     finally:
         stop_system(pd)
+
+
+def test_mooncake_serves_what_the_host_cache_lost_and_its_death_fails_nothing(tmp_path):
+    """`--kv-store mooncake`: the launcher starts a master; a prompt the (small) host cache has
+    evicted comes back from the store with the same greedy text; with the master killed, every
+    request still succeeds (the store is skipped)."""
+    import psutil
+
+    pytest.importorskip("mooncake.store", reason="run scripts/setup_mooncake.sh")
+    system = start_system(tmp_path / "m", ["--colocated", "1", "--kv-store", "mooncake", "--kv-store-size-gb", "0.5",
+                                           *COMMON[:-2], "--hicache-size-gb", "0.06"], timeout=420)
+    try:
+        master = [p for p in psutil.Process(system.proc.pid).children() if "mooncake_master" in p.name()]
+        assert len(master) == 1
+        # five prompts of ~55 pages: more than the 0.06 GB host cache holds in bf16 (~160) or float32 (~80)
+        prompts = [[{"role": "user", "content": f"Topic {i}: " + STORY[i:] * 6}] for i in range(5)]
+        first = [chat(system, p) for p in prompts]
+        again, cached, _ = chat(system, prompts[0])
+        assert again == first[0][0] and cached >= 256
+        system.wait_until(lambda: metric(system, "pdserve_rank_kv_store_hit_tokens") >= 256, 10,
+                          "the store's hit counted")
+        master[0].kill()
+        master[0].wait(10)
+        for p in prompts[1:3] + [[{"role": "user", "content": "A new question?"}]]:
+            chat(system, p)  # 200s: the store is down, the ranks compute
+        assert system.health()[0] == 200
+    finally:
+        stop_system(system)

@@ -14,7 +14,7 @@ import torch
 from hicache.cache import HostCache
 from hicache.index import PrefixIndex, namespace_key, page_keys
 from hicache.pool import HostPool, HostPoolLayout, default_shm_name
-from hicache.store import FileStore, StoreWriter, bytes_view, parse_store
+from hicache.store import FileStore, StoreUnavailable, StoreWriter, bytes_view, parse_store, store_for_launch
 
 from test_hicache_cache import PAGE, PS, RING, device, tokens
 
@@ -152,9 +152,18 @@ def test_file_store_round_trip_atomic_names_and_trim(tmp_path):
 
 def test_store_spec_and_directory_checks(tmp_path):
     assert parse_store("file:/x/y") == ("file", "/x/y")
-    for bad in ("file:", "mooncake", "disk:/x", ""):
+    assert parse_store("mooncake") == ("mooncake", "")
+    url = "mooncake://10.0.0.5:50051?metadata=http://10.0.0.5:8080/metadata"
+    assert parse_store(url) == ("mooncake", url)
+    for bad in ("file:", "mooncake:", "mooncake://host", "disk:/x", ""):
         with pytest.raises(ValueError):
             parse_store(bad)
+    with store_for_launch("file:/x/y", tmp_path) as spec:
+        assert spec == "file:/x/y"
+    for bad, ray in (("disk:/x", ""), ("mooncake", "auto")):
+        with pytest.raises(StoreUnavailable):
+            with store_for_launch(bad, tmp_path, ray):
+                pass
     d = tmp_path / "open"
     d.mkdir()
     d.chmod(0o777)
