@@ -207,6 +207,17 @@ def summarize(name: str, sent: list[Sent], wall: float, before: dict, after: dic
         d["pdserve_rank_transfer_bytes"] / max(len(ok), 1) / 2**20, wall)
 
 
+def measure(url: str, model: str, w: Workload) -> dict:
+    """One replay against a running server, as a mission-report load (bench/mission/table.py):
+    client numbers, the cached share as its prefix hit, and this benchmark's own result."""
+    before = scrape(url)
+    sent, wall = asyncio.run(replay(url, model, w))
+    r = summarize("", sent, wall, before, scrape(url))
+    return {"client": {"output_tok_s": r.out_tok_s, "ttft_ms": {"p50": r.ttft_p50_ms, "p99": r.ttft_p99_ms},
+                       "requests": r.requests, "errors": r.errors},
+            "server": {"prefix_hit_rate": r.cached}, "kv_reuse": asdict(r)}
+
+
 def table(rows: list[Result]) -> str:
     head = ("| config | requests (errors) | out tok/s | TTFT p50 ms | TTFT p99 ms | reuse ceiling | cached "
             "| host hit | L3 hit | KV MiB pulled / request |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -145,7 +145,17 @@ class HostCache:
         pool = HostPool.create(layout, pin_cuda=cfg.torch_device.type == "cuda")
         copy_pages(pool.pages, pool.pages, [], [])  # build/load the kernel now, not in a request's TTFT
         root = namespace_key(cfg.model, layout.dtype, ps)
-        store = open_store(cfg.kv_store, cfg.kv_store_size_gb) if cfg.kv_store else None
+        store = None
+        if cfg.kv_store:
+            # Pages outlive this process there: name them by what their bits are a function of
+            # (the checkpoint's bytes, dtype, code, CPU kernels), so a changed checkpoint at the
+            # same path or another build never reads them. (Hello.cache_root carries the root.)
+            from engine.model_cache import cached_model_dir
+            from engine.shared_weights import weights_identity
+
+            root = namespace_key(f"{cfg.model}|{weights_identity(cached_model_dir(cfg.model), cfg.dtype)}",
+                                 layout.dtype, ps)
+            store = open_store(cfg.kv_store, cfg.kv_store_size_gb)
         return cls(pool, PrefixIndex(root, ps), has_swa=bool(model_cfg.swa_layers), store=store)
 
     def close(self) -> None:
@@ -188,11 +198,10 @@ class HostCache:
         names = [k.hex() + ".kv" for k in rest]
         n = self.l3.leading(names) if rest else 0
         state_at = -1
-        if n and need_state:
-            with_state = [i for i in range(n) if self.l3.leading([rest[i].hex() + ".swa"])]
-            if not with_state:
+        if n and need_state:  # the deepest state among them (probed deepest first: one call, usually)
+            state_at = next((i for i in reversed(range(n)) if self.l3.leading([rest[i].hex() + ".swa"])), -1)
+            if state_at < 0:
                 return len(host), 0
-            state_at = with_state[-1]
             n = state_at + 1
         if not n:
             return len(host), 0

@@ -6,7 +6,10 @@
 # report.md, summary.json and each run's JSON and aiperf artifacts to runs/mission-<time>/.
 #   scripts/mission_bench.sh [--configs 2P2D,1P1D,colocated-2,vllm] [--config NAME='pd_start flags']
 #                            [--levels "1 8 32"] [--agentx-duration 120] [--agentx-concurrency 4]
-#                            [--no-agentx] [--no-synthetic] [--repeats N] [--port P] [--seed S] [--out DIR]
+#                            [--no-agentx] [--no-synthetic] [--kv-reuse-duration S] [--repeats N] [--port P]
+#                            [--seed S] [--out DIR]
+# --kv-reuse-duration S adds bench/bench_kv_reuse.py's multi-turn sessions (working set many times
+# the host caches; load "kv-reuse") after the other loads.
 # All flags: .venv/bin/python -m bench.mission --help
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -3,7 +3,7 @@ same loads, repeated and interleaved, then one table.
 
     .venv/bin/python -m bench.mission [--configs 2P2D,1P1D,colocated-2,vllm] [--config NAME='FLAGS']
         [--levels "1 8 32"] [--agentx-duration 120] [--agentx-concurrency 4] [--no-agentx]
-        [--no-synthetic] [--repeats 1] [--port 0] [--seed 42] [--out runs/mission-<time>]
+        [--kv-reuse-duration 0] [--no-synthetic] [--repeats 1] [--port 0] [--seed 42] [--out runs/mission-<time>]
     (scripts/mission_bench.sh checks both venvs first and runs this.)
 
 For each repeat r, for each configuration (the list rotated by r, so none is always first
@@ -12,7 +12,8 @@ on a cold machine):
      the start-up time is the wall time until /health is ready;
   2. the synthetic levels in order (bench/agentx/serve_bench.py `Synthetic`: the workload of
      scripts/bench_serve.sh, level i seeded --seed + i), then the AgentX replay
-     (aiperf_client.agentx_cmd), each with the server's /metrics around it (measure.py);
+     (aiperf_client.agentx_cmd), each with the server's /metrics around it (measure.py), then,
+     with --kv-reuse-duration, bench/bench_kv_reuse.py's multi-turn sessions (load "kv-reuse");
   3. stop it (in a finally; also on SIGTERM / Ctrl-C), keep its logs in the run directory.
 Every run writes OUT/<config>/r<r>/run.json (and aiperf's artifacts beside it); after each
 run OUT/summary.json and OUT/report.md (bench/mission/table.py) are rewritten, so an
@@ -33,6 +34,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench import bench_kv_reuse as kv_reuse
 from bench.agentx import aiperf_client, measure, process_group, serve_bench
 from bench.mission import servers, table
 from bench.mission.configs import VLLM, Config, parse_configs
@@ -81,6 +83,11 @@ def run_one(cfg: Config, rep: int, args: argparse.Namespace, tokenizer: Path, ou
             m = measure.run(server.url, cmd, art, timeout_s=args.agentx_duration * 2 + args.agentx_grace)
             run["loads"].append({"load": "agentx", "kind": "agentx", "concurrency": args.agentx_concurrency,
                                  **m.to_json()})
+        if args.kv_reuse_duration > 0:
+            log(f"{cfg.name}: multi-turn sessions (kv-reuse) for {args.kv_reuse_duration:.0f} s")
+            w = kv_reuse.Workload(duration_s=args.kv_reuse_duration, seed=args.seed)
+            run["loads"].append({"load": "kv-reuse", "kind": "kv-reuse", "concurrency": w.concurrency,
+                                 **kv_reuse.measure(server.url, model, w)})
     except Exception as e:  # noqa: BLE001 - one failed start must not lose the other runs
         run["error"] = f"{type(e).__name__}: {e}"
         log(f"{cfg.name}: FAILED: {run['error']}")
@@ -109,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds the replay may run past 2 x --agentx-duration before aiperf is killed")
     ap.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACES, help="weka_trace files (trace_*.json)")
     ap.add_argument("--no-agentx", action="store_true", help="synthetic levels only")
+    ap.add_argument("--kv-reuse-duration", type=float, default=0.0,
+                    help="seconds of bench/bench_kv_reuse.py's multi-turn sessions after the other loads (its "
+                         "default workload: 24 sessions alive, 8 requests in flight); 0: not run")
     ap.add_argument("--no-synthetic", action="store_true", help="AgentX replay only")
     ap.add_argument("--repeats", type=int, default=1, help="starts of each configuration (medians reported)")
     ap.add_argument("--port", type=int, default=0, help="port of every start (0: a free one each start)")
