@@ -10,15 +10,16 @@ A handed-off request on a decode rank:
      step's end (a PeerHello, Peers) is renewed while it waits too (`renew_waiting()`), and its
      lease counts from the last such Renew once it is taken.
   2. Pulling: the engine had room (reserve_kv: device pages, an SWA slot, a sequence place);
-     the prompt's leading pages this rank's host cache holds (an earlier turn of the
-     conversation decoded here: step 3 stores every handed-off prompt) are loaded from it
+     the prompt's leading pages this rank's host cache holds (prompts it prefilled itself,
+     pages read from the L3 store, or with step 3's keeping earlier turns) are loaded from it
      into the reserved pages; two reads run on the backend's thread, the prompt's other pages
      into the rest of the reserved pages and the SWA rings (one window per sliding layer,
      never more) into the reserved slot, while the rank keeps decoding other sequences.
      `progress()` polls them between steps.
-  3. Committed: both reads done -> the prompt's complete pages go to the host cache (a later
-     turn pulls only what they lack), engine.add_prefilled() (decoding starts next step) and
-     Pulled to the prefill rank. A failed read -> pages back, PullFailed to the prefill rank,
+  3. Committed: both reads done -> with --decode-keep-prompts the prompt's complete pages go
+     to the host cache (a later turn pulls only what they lack; off by default: it cost 2P2D's
+     TTFT p50 1.35x in docs/results/kv-reuse.md), engine.add_prefilled() (decoding starts next
+     step) and Pulled to the prefill rank. A failed read -> pages back, PullFailed to the prefill rank,
      RequestError to the router.
 A Handoff from a socket identity that never said PeerHello is answered PullFailed and
 otherwise ignored (it must not fail or touch the request it names); one from a peer that was
@@ -100,8 +101,9 @@ class HandoffReceiver:
                  send_peer: Callable[[bytes, msgspec.Struct], None],
                  send_router: Callable[[msgspec.Struct], None],
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 delay_pull_s: float = 0.0) -> None:
+                 delay_pull_s: float = 0.0, keep_prompts: bool = False) -> None:
         self.engine, self.backend, self.name = engine, backend, name
+        self.keep_prompts = keep_prompts  # --decode-keep-prompts: step 3 stores every pulled prompt
         self.wait_s = wait_s
         self.delay_pull_s = delay_pull_s  # fault injection (rank_runtime/faults.py): hold each read back
         self.send_peer, self.send_router = send_peer, send_router
@@ -343,7 +345,7 @@ class HandoffReceiver:
     def _keep(self, h: Handoff, res) -> None:
         """The prompt's complete pages, just pulled, into the host cache (those it lacks)."""
         hc = getattr(self.engine, "hicache", None)
-        if hc is None:
+        if hc is None or not self.keep_prompts:
             return
         try:
             hc.store(h.prompt_ids, self.engine.pool, res.pages, None)

@@ -36,10 +36,12 @@ class DecodeLoop(RankLoop):
     """Decode rank: requests arrive as Handoffs, their KV pulled by a HandoffReceiver, or as a
     Generate the rank prefills itself (conditional disaggregation, pd_server/disagg.py)."""
 
-    def __init__(self, engine, backend, name: str, wait_s: float, delay_pull_s: float = 0.0) -> None:
+    def __init__(self, engine, backend, name: str, wait_s: float, delay_pull_s: float = 0.0,
+                 keep_prompts: bool = False) -> None:
         self.receiver = HandoffReceiver(engine, backend, name, wait_s,
                                         send_peer=lambda dest, msg: self.link.send_peer(dest, msg),
-                                        send_router=lambda msg: self.link.send(msg), delay_pull_s=delay_pull_s)
+                                        send_router=lambda msg: self.link.send(msg), delay_pull_s=delay_pull_s,
+                                        keep_prompts=keep_prompts)
         self._pd: dict = {}  # request id -> handoff_receiver.Committed
         super().__init__(engine)
 
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     if pool.num_slots:
         backend.register(STATES_REGION, pool.swa, pool.swa[0].numel() * pool.swa.element_size())
     peers = PeerSockets("decode", cfg.name, cfg.host, secret=cfg.secret)
-    loop = DecodeLoop(engine, backend, cfg.name, handoff.handoff_wait_s, faults_for(cfg.name).delay_pull_s)
+    loop = DecodeLoop(engine, backend, cfg.name, handoff.handoff_wait_s, faults_for(cfg.name).delay_pull_s,
+                      handoff.decode_keep_prompts)
     link = RankLink(cfg, hello_for(cfg, engine_cfg, engine, peers.addr), loop.stats, peers)
     log.info("decode rank: peer socket %s, transfer %s", peers.addr, backend.kind)
     return serve(cfg, engine, loop, link, closers=(backend.close,))

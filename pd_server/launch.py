@@ -1,9 +1,7 @@
 """Start a whole system in one process group: the router here, its ranks as child processes.
 
-    python -m pd_server.launch --colocated 2 [--model NAME|PATH] [--port 8000] [--host 127.0.0.1]
-                               [router flags] [engine flags, forwarded to every rank]
-    python -m pd_server.launch --prefill 1 --decode 1 [--transfer auto|nixl|shm] [--handoff-lease-s 10]
-                               [--handoff-pool-gb 0.25] [--prefill-host IP] [--decode-host IP] ...
+    python -m pd_server.launch --colocated 2 [--model NAME|PATH] [--port 8000] [router flags] [engine flags]
+    python -m pd_server.launch --prefill 1 --decode 1 [--transfer auto|nixl|shm] [handoff flags] ...
 
   1. Resolve the model once here (GGUF conversion, if any, happens before ranks start).
   2. Bind the rank socket (tcp://127.0.0.1:<free port> by default) and start each rank
@@ -152,8 +150,9 @@ def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router
         cmd += ["--nice", str(launch.prefill_nice)]
     if role in ("prefill", "decode"):
         cmd += ["--host", launch.prefill_host if role == "prefill" else launch.decode_host]
-        for f in fields(HandoffConfig):
-            cmd += ["--" + f.name.replace("_", "-"), str(getattr(handoff or HandoffConfig(), f.name))]
+        for f in fields(HandoffConfig):  # (a bool as --x / --no-x)
+            v, flag = getattr(handoff or HandoffConfig(), f.name), "--" + f.name.replace("_", "-")
+            cmd += [flag if v else "--no-" + flag[2:]] if isinstance(v, bool) else [flag, str(v)]
     for f in fields(engine_cfg):  # only what differs from the engine's defaults
         value = getattr(engine_cfg, f.name)
         if f.name == "hicache_shm_name" and value:

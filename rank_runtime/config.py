@@ -82,6 +82,9 @@ class HandoffConfig:
                                        "handoff arrived or its last Renew")
     handoff_wait_s: float = opt(120.0, "decode: a handed-off request waits at most this long for room on the "
                                        "rank (its prefill rank's lease renewed meanwhile), then fails with 503")
+    decode_keep_prompts: bool = opt(False, "decode: keep every handed-off prompt's complete pages in the host "
+                                           "cache, so a later turn's handoff pulls only what it lacks (0.57x the KV "
+                                           "moved, but 1.35x 2P2D's TTFT p50 in docs/results/kv-reuse.md: off)")
     handoff_pool_gb: float = opt(0.25, "prefill: GiB of shared memory for KV waiting to be pulled (pages and "
                                        "SWA states of requests in prefill or handed off); a full pool holds "
                                        "new prompts back")

@@ -70,7 +70,7 @@ def test_a_decode_rank_reads_only_what_it_lacks_with_the_colocated_text(tmp_path
     finally:
         stop_system(colocated)
     pd = start_system(tmp_path / "pd", ["--prefill", "1", "--decode", "1", "--transfer", "shm", "--disagg", "always",
-                                        "--handoff-pool-gb", "0.2", *COMMON], timeout=420)
+                                        "--handoff-pool-gb", "0.2", "--decode-keep-prompts", *COMMON], timeout=420)
     try:
         assert chat(pd, turn1)[0] == answer1
         pd.wait_until(lambda: metric(pd, "pdserve_handoff_pulled_tokens_total") > 0, 10, "the first pull counted")

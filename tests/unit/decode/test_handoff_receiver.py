@@ -284,6 +284,7 @@ def test_a_later_turn_reads_only_the_pages_this_rank_does_not_hold():
     from hicache.pool import HostPool, HostPoolLayout, default_shm_name
 
     rig = Rig()
+    rig.rx.keep_prompts = True  # --decode-keep-prompts
     dev = rig.world.regions[("decode-agent", PAGES_REGION)]  # [64 pages, 4 floats]
     rig.engine.pool.full = dev
     layout = HostPoolLayout(default_shm_name(), "float32", 8, (4,), 0, (0,))
