@@ -327,10 +327,8 @@ class HandoffReceiver:
             inc.handles.append(None)
 
     def _reuse(self, h: Handoff, res) -> int:
-        """Load the prompt's leading pages that this rank's host cache holds into the reserved
-        pages; returns how many (the read skips them). Pages only: the SWA rings as of the
-        prompt's end come with the handoff. At least the last page is always read (a lookup
-        leaves the last token)."""
+        """Load the prompt's leading pages this rank's host cache holds into the reserved pages;
+        returns how many (the read skips them; never the last). Pages only: the rings come too."""
         hc = getattr(self.engine, "hicache", None)
         if hc is None:
             return 0

@@ -47,7 +47,8 @@ from engine.kv_cache import KVPool
 from engine.sequence import Sequence
 from hicache.index import Node, PrefixIndex, namespace_key, page_keys
 from hicache.pool import HostPool, HostPoolLayout, default_shm_name
-from hicache.store import KVStore, StoreWriter, bytes_view, open_store
+from hicache.l3 import read_into_host, write_through
+from hicache.store import KVStore, StoreWriter, open_store
 from native.page_copy import copy_pages
 
 
@@ -174,7 +175,7 @@ class HostCache:
         decode rank whose handoff brings the state)."""
         need_state = self.has_swa if need_state is None else need_state
         self._unpin_written()
-        on_host, from_l3 = self._read_l3(tokens, need_state) if self.l3 is not None else (0, 0)
+        on_host, from_l3 = read_into_host(self, tokens, need_state) if self.l3 is not None else (0, 0)
         path = self.index.lookup(tokens, need_state=need_state)
         self.index.pin(path)
         c = self.counters
@@ -185,72 +186,6 @@ class HostCache:
             c.hit_tokens += len(path) * self.page_size
             c.l3_hit_tokens += max(0, min(len(path), on_host + from_l3) - on_host) * self.page_size
         return Hit(path, self.page_size)
-
-    def _read_l3(self, tokens: Seq[int], need_state: bool) -> tuple[int, int]:
-        """Read the run of `tokens`' pages past the host hit that the store holds (and, hybrid
-        models, the deepest SWA state among them, without which they are no hit) into host
-        pages, indexed as stored. Returns (pages the host had, pages read). Stops at the first
-        object it cannot read: the request computes from there."""
-        ps = self.page_size
-        keys = page_keys(tokens, ps, self.index.root, max(len(tokens) - 1, 0) // ps)
-        host = self.index.match_keys(keys)
-        rest = keys[len(host):]
-        names = [k.hex() + ".kv" for k in rest]
-        n = self.l3.leading(names) if rest else 0
-        state_at = -1
-        if n and need_state:  # the deepest state among them (probed deepest first: one call, usually)
-            state_at = next((i for i in reversed(range(n)) if self.l3.leading([rest[i].hex() + ".swa"])), -1)
-            if state_at < 0:
-                return len(host), 0
-            n = state_at + 1
-        if not n:
-            return len(host), 0
-        c, t0 = self.counters, time.perf_counter()
-        self.index.pin(host)
-        added: list[Node] = []
-        try:
-            parent = host[-1] if host else None
-            for key, name in zip(rest[:n], names):
-                page = self._alloc_page()
-                if page is None:
-                    break
-                if not self.l3.read_into(name, bytes_view(self.pool.pages[page])):
-                    self.pool.free_page(page)
-                    c.l3_read_failures += 1
-                    break
-                parent = self.index.insert(parent, key, page)
-                self.index.pin([parent])
-                added.append(parent)
-            c.l3_read_pages += len(added)
-            c.bytes_l3_read += len(added) * self.pool.layout.page_bytes
-            if added:
-                self._event("page_stored", [a.key for a in added])
-            if 0 <= state_at < len(added):
-                node, slot = added[state_at], self._alloc_state()
-                if slot is not None and self.l3.read_into(node.key.hex() + ".swa",
-                                                             bytes_view(self.pool.states[slot])):
-                    self.index.set_state(node, slot)
-                    c.l3_read_states += 1
-                    c.bytes_l3_read += self.pool.layout.state_bytes
-                    self._event("state_stored", [node.key])
-                elif slot is not None:
-                    self.pool.free_state(slot)
-                    c.l3_read_failures += 1
-            self.index.touch(host + added)
-        finally:
-            self.index.unpin(host + added)
-            c.seconds_l3_read += time.perf_counter() - t0
-        return len(host), len(added)
-
-    def _write_l3(self, name: str, region: torch.Tensor, node: Node) -> None:
-        """Queue `region` (a host page or state of `node`) for the store; `node` stays pinned
-        until the writer is done with it."""
-        self.index.pin([node])
-        if self.writer.submit(name, bytes_view(region), node):
-            self.counters.l3_queued_pages += 1
-        else:
-            self.index.unpin([node])
-            self.counters.l3_skipped_pages += 1
 
     def _unpin_written(self) -> None:
         if self.writer is not None:
@@ -315,10 +250,7 @@ class HostCache:
             self.index.touch(full)
             if self.writer is not None:
                 self._unpin_written()
-                for a in added:
-                    self._write_l3(a.key.hex() + ".kv", self.pool.pages[a.page], a)
-                if stored_state:
-                    self._write_l3(full[-1].key.hex() + ".swa", self.pool.states[full[-1].state], full[-1])
+                write_through(self, added, full[-1] if stored_state else None)
         finally:
             self.index.unpin(path + added)
         c = self.counters

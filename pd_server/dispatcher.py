@@ -346,22 +346,13 @@ class Dispatcher:
     def _on_stats(self, rank: Rank, s: RankStats) -> None:
         last, rank.stats = rank.stats, s
         m, name = self.metrics, rank.name
-        if rank.role == "decode":  # the rank's totals since its start -> counters (a restart starts at 0)
-            for counter, now, before in ((m.handoff_pulled, s.handoff_pulled_tokens,
-                                          last.handoff_pulled_tokens if last else 0),
-                                         (m.handoff_reused, s.handoff_reused_tokens,
-                                          last.handoff_reused_tokens if last else 0)):
-                if now > before:
-                    counter.labels(name).inc(now - before)
+        m.observe_kv_reuse(name, rank.role, last, s)
         m.rank_queue.labels(name).set(s.waiting)
         m.rank_running.labels(name).set(s.running)
         m.rank_pages.labels(name).set(s.pages_used)
         m.rank_pages_total.labels(name).set(s.pages_total)
         m.rank_host_lookup.labels(name).set(s.host_cache_lookup_tokens)
         m.rank_host_hits.labels(name).set(s.host_cache_hit_tokens)
-        m.rank_store_hits.labels(name).set(s.kv_store_hit_tokens)
-        m.rank_store_bytes.labels(name, "read").set(s.kv_store_read_bytes)
-        m.rank_store_bytes.labels(name, "written").set(s.kv_store_written_bytes)
         if rank.role in PD_ROLES:
             m.rank_handoffs.labels(name).set(s.handoffs)
             m.rank_handoff_pages.labels(name).set(s.handoff_pages_used)

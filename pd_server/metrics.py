@@ -105,6 +105,22 @@ class RouterMetrics:
         self.rank_transfer_seconds = Gauge("pdserve_rank_transfer_seconds", "decode: seconds spent in KV pulls "
                                            "since it started", ["rank"], registry=r)
 
+    def observe_kv_reuse(self, rank: str, role: str, last, now) -> None:
+        """A rank's L3 store counters and (decode) its handoff totals since its start from its
+        RankStats `now` (`last`: the one before) -> the gauges and counters (a restarted rank
+        starts again at 0: only growth counts)."""
+        self.rank_store_hits.labels(rank).set(now.kv_store_hit_tokens)
+        self.rank_store_bytes.labels(rank, "read").set(now.kv_store_read_bytes)
+        self.rank_store_bytes.labels(rank, "written").set(now.kv_store_written_bytes)
+        if role != "decode":
+            return
+        for counter, total, before in ((self.handoff_pulled, now.handoff_pulled_tokens,
+                                        last.handoff_pulled_tokens if last else 0),
+                                       (self.handoff_reused, now.handoff_reused_tokens,
+                                        last.handoff_reused_tokens if last else 0)):
+            if total > before:
+                counter.labels(rank).inc(total - before)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pd_server.errors import APIError
@@ -73,18 +73,25 @@ class CacheAware(RoutingPolicy):
         self.load_tokens = load_tokens
 
     def choose(self, ranks: list[Rank], req: RouteRequest) -> Rank:
-        keys: dict[tuple[bytes, int], list[bytes]] = {}  # ranks of one model share a namespace: hash once
-
-        def hit(r: Rank) -> int:
-            c = r.cache
-            if c is None:
-                return 0
-            ns = (c.root, c.page_size)
-            if ns not in keys:
-                keys[ns] = c.keys(req.prompt_ids)
-            return c.hit_tokens(keys[ns])
-
+        hit = cached_tokens(req, lambda c, keys: c.hit_tokens(keys))
         return min(ranks, key=lambda r: (self.load_tokens * len(r.inflight) - hit(r), *_load(r)))
+
+
+def cached_tokens(req: RouteRequest, count) -> Callable[[Rank], int]:
+    """rank -> count(its cache index, the prompt's page keys) (0 without a cache); the keys are
+    hashed once per namespace (ranks of one model share one)."""
+    keys: dict[tuple[bytes, int], list[bytes]] = {}
+
+    def tokens(r: Rank) -> int:
+        c = r.cache
+        if c is None:
+            return 0
+        ns = (c.root, c.page_size)
+        if ns not in keys:
+            keys[ns] = c.keys(req.prompt_ids)
+        return count(c, keys[ns])
+
+    return tokens
 
 
 class Affinity(RoutingPolicy):
@@ -157,17 +164,7 @@ def pick_decode_rank(registry: RankRegistry, req: RouteRequest, max_inflight: in
         filling = [r for r in room if r.inflight and len(r.inflight) + req.num_seqs <= pack]
         if filling:
             return min(filling, key=lambda r: (-len(r.inflight), *load(r)[1:]))
-    keys: dict[tuple[bytes, int], list[bytes]] = {}
-
-    def reuse(r: Rank) -> int:
-        c = r.cache
-        if c is None:
-            return 0
-        ns = (c.root, c.page_size)
-        if ns not in keys:
-            keys[ns] = c.keys(req.prompt_ids)
-        return c.page_hit_tokens(keys[ns])
-
+    reuse = cached_tokens(req, lambda c, keys: c.page_hit_tokens(keys))
     return min(room, key=lambda r: (load_tokens * len(r.inflight) - reuse(r), *load(r)[1:]))
 
 
