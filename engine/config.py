@@ -206,6 +206,9 @@ class EngineConfig:
     hicache_size_gb: float = 0.0
     hicache_state_slots: int = 16  # SWA states it holds (hybrid models only), out of hicache_size_gb
     hicache_shm_name: str = ""  # file under /dev/shm; "" -> pdserve-hicache-<pid>-<random>
+    # "rank": a private cache; "host": the ranks that name the same hicache_shm_name share one pool
+    # and prefix index in shared memory (hicache/shared_index.py), hicache_size_gb being the host's
+    hicache_scope: str = "rank"
     # The L3 tier behind the host cache (hicache/store.py): "file:DIR" keeps every stored page
     # in DIR (shared by the ranks of a host, kept across restarts); "mooncake" a Mooncake Store
     # the launcher starts (mooncake://HOST:PORT?metadata=URL: an existing one), shared by every
@@ -237,6 +240,8 @@ class EngineConfig:
             raise ValueError(f"kv_store must be file:DIR, mooncake or mooncake://HOST:PORT, got {self.kv_store!r}")
         if self.kv_store_size_gb < 0:
             raise ValueError("kv_store_size_gb must be >= 0")
+        if self.hicache_scope not in ("rank", "host"):
+            raise ValueError(f"hicache_scope must be rank or host, got {self.hicache_scope!r}")
         if "/" in self.hicache_shm_name:
             raise ValueError(f"hicache_shm_name must be a plain file name, got {self.hicache_shm_name!r}")
 

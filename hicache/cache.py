@@ -46,8 +46,9 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVPool
 from engine.sequence import Sequence
 from hicache.index import Node, PrefixIndex, namespace_key, page_keys
-from hicache.pool import HostPool, HostPoolLayout, default_shm_name
 from hicache.l3 import read_into_host, write_through
+from hicache.pool import HostPool, HostPoolLayout, default_shm_name
+from hicache.shared_index import attach_or_create
 from hicache.store import KVStore, StoreWriter, open_store
 from native.page_copy import copy_pages
 
@@ -115,6 +116,7 @@ class HostCache:
         self.record_events = False  # set by whoever drains them (the rank's router link)
         self._events: list[CacheEvent] = []
         self.l3 = store  # the L3 tier, or None
+        self.shared = getattr(index, "shared", False)  # a SharedIndex: the host's one cache (shared_index.py)
         self.writer = StoreWriter(store) if store is not None else None
 
     @classmethod
@@ -143,8 +145,6 @@ class HostCache:
             num_pages=num_pages, page_shape=(len(model_cfg.full_layers), 2, ps, kvh, hd),
             num_states=num_states,
             state_shape=(len(model_cfg.swa_layers), 2, model_cfg.sliding_window or 0, kvh, hd))
-        pool = HostPool.create(layout, pin_cuda=cfg.torch_device.type == "cuda")
-        copy_pages(pool.pages, pool.pages, [], [])  # build/load the kernel now, not in a request's TTFT
         root = namespace_key(cfg.model, layout.dtype, ps)
         store = None
         if cfg.kv_store:
@@ -157,7 +157,15 @@ class HostCache:
             root = namespace_key(f"{cfg.model}|{weights_identity(cached_model_dir(cfg.model), cfg.dtype)}",
                                  layout.dtype, ps)
             store = open_store(cfg.kv_store, cfg.kv_store_size_gb)
-        return cls(pool, PrefixIndex(root, ps), has_swa=bool(model_cfg.swa_layers), store=store)
+        pin_cuda = cfg.torch_device.type == "cuda"
+        if cfg.hicache_scope == "host":  # every rank of the host maps one pool and index
+            if not cfg.hicache_shm_name:
+                raise ValueError("hicache_scope=host needs a hicache_shm_name the host's ranks share")
+            pool, index = attach_or_create(layout, root, ps, pin_cuda=pin_cuda)
+        else:
+            pool, index = HostPool.create(layout, pin_cuda=pin_cuda), PrefixIndex(root, ps)
+        copy_pages(pool.pages, pool.pages, [], [])  # build/load the kernel now, not in a request's TTFT
+        return cls(pool, index, has_swa=bool(model_cfg.swa_layers), store=store)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -165,6 +173,8 @@ class HostCache:
             self.writer = None
         if self.l3 is not None:
             self.l3.close()
+        if self.shared:
+            self.index.close()
         self.pool.close()
 
     # ---- lookup and load -------------------------------------------------------------
@@ -176,8 +186,7 @@ class HostCache:
         need_state = self.has_swa if need_state is None else need_state
         self._unpin_written()
         on_host, from_l3 = read_into_host(self, tokens, need_state) if self.l3 is not None else (0, 0)
-        path = self.index.lookup(tokens, need_state=need_state)
-        self.index.pin(path)
+        path = self.index.lookup_and_pin(tokens, need_state=need_state)
         c = self.counters
         c.lookups += 1
         c.lookup_tokens += len(tokens)
@@ -222,37 +231,40 @@ class HostCache:
         """
         n = len(tokens) // self.page_size
         keys = page_keys(tokens, self.page_size, self.index.root, n)
-        path = self.index.match_keys(keys)
-        self.index.pin(path)
-        added: list[Node] = []
+        path = self.index.match_and_pin(keys)
+        added: list[Node] = []  # pages this call stored
+        held: list[Node] = []  # (shared index) pages another rank stored meanwhile
         try:
+            missing = keys[len(path):]
+            pages = self._alloc_pages(len(missing))
+            self.counters.store_skipped_pages += len(missing) - len(pages)
+            first = len(path)
+            # Bytes first, then the index: a page is visible only once written (shared_index.py).
+            self._copy(kv.full, self.pool.pages, dev_pages[first:first + len(pages)], pages, h2d=False)
             parent = path[-1] if path else None
-            for key in keys[len(path):]:
-                page = self._alloc_page()
-                if page is None:
-                    self.counters.store_skipped_pages += n - len(path) - len(added)
-                    break
+            for key, page in zip(missing, pages):
                 parent = self.index.insert(parent, key, page)
                 self.index.pin([parent])
-                added.append(parent)
-            first = len(path)
-            self._copy(kv.full, self.pool.pages, dev_pages[first:first + len(added)],
-                       [a.page for a in added], h2d=False)
-            full = path + added
+                if parent.page == page:
+                    added.append(parent)
+                else:
+                    self._free_page(page)
+                    held.append(parent)
+            full = path + [*added, *held]
+            full.sort(key=lambda node: node.depth)
             stored_state = False
             if (swa_slot is not None and n and len(full) == n and len(tokens) == n * self.page_size
                     and full[-1].state is None):
                 slot = self._alloc_state()
                 if slot is not None:
                     self._copy(kv.swa, self.pool.states, [swa_slot], [slot], h2d=False)
-                    self.index.set_state(full[-1], slot)
-                    stored_state = True
+                    stored_state = self.index.set_state(full[-1], slot)
             self.index.touch(full)
             if self.writer is not None:
                 self._unpin_written()
                 write_through(self, added, full[-1] if stored_state else None)
         finally:
-            self.index.unpin(path + added)
+            self.index.unpin(path + added + held)
         c = self.counters
         c.stored_pages += len(added)
         c.stored_states += stored_state
@@ -263,7 +275,39 @@ class HostCache:
             self._event("state_stored", [full[-1].key])
         return len(added)
 
+    def _alloc_pages(self, n: int) -> list[int]:
+        """Up to `n` host pages to write (fewer when everything else is pinned), evicting LRU chain tails."""
+        if not self.shared:
+            out = []
+            while len(out) < n and (page := self._alloc_page()) is not None:
+                out.append(page)
+            return out
+        pages, evicted = self.index.alloc_pages(n)
+        for key, had_state in evicted:
+            self.counters.evicted_pages += 1
+            self._event("page_evicted", [key])
+            if had_state:
+                self.counters.evicted_states += 1
+                self._event("state_evicted", [key])
+        return pages
+
+    def _free_page(self, page: int) -> None:
+        """Give back a page from _alloc_pages that was not inserted."""
+        if self.shared:
+            self.index.free_page(page)
+        else:
+            self.pool.free_page(page)
+
+    def _free_state(self, slot: int) -> None:
+        if self.shared:
+            self.index.free_state(slot)
+        else:
+            self.pool.free_state(slot)
+
     def _alloc_page(self) -> int | None:
+        if self.shared:
+            got = self._alloc_pages(1)
+            return got[0] if got else None
         page = self.pool.alloc_page()
         while page is None:
             node = self.index.evict_page()
@@ -280,6 +324,12 @@ class HostCache:
         return page
 
     def _alloc_state(self) -> int | None:
+        if self.shared:
+            slot, lost = self.index.alloc_state()
+            if lost is not None:
+                self.counters.evicted_states += 1
+                self._event("state_evicted", [lost])
+            return slot
         slot = self.pool.alloc_state()
         if slot is None:
             got = self.index.evict_state()

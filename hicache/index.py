@@ -119,6 +119,17 @@ class PrefixIndex:
                 path.pop()
         return path
 
+    def match_and_pin(self, keys) -> list[Node]:
+        """match_keys, pinned (one call, so a shared index can do it atomically)."""
+        path = self.match_keys(keys)
+        self.pin(path)
+        return path
+
+    def lookup_and_pin(self, tokens: Sequence[int], need_state: bool) -> list[Node]:
+        path = self.lookup(tokens, need_state)
+        self.pin(path)
+        return path
+
     # ---- mutation --------------------------------------------------------------------
     def insert(self, parent: Node | None, key: bytes, page: int) -> Node:
         """Add a child page of `parent` (None: a first page). The new node is most recent."""
@@ -147,11 +158,12 @@ class PrefixIndex:
                 raise RuntimeError("unpin of an unpinned page")
             node.refs -= 1
 
-    def set_state(self, node: Node, slot: int) -> None:
+    def set_state(self, node: Node, slot: int) -> bool:
         if node.state is not None:
             raise RuntimeError("node already holds a state")
         node.state = slot
         self._states[node.key] = node
+        return True
 
     # ---- eviction ----------------------------------------------------------------------
     def evict_page(self) -> Node | None:

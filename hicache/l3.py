@@ -23,7 +23,14 @@ def read_into_host(cache: "HostCache", tokens: Sequence[int], need_state: bool) 
     object it cannot read: the request computes from there."""
     ps = cache.page_size
     keys = page_keys(tokens, ps, cache.index.root, max(len(tokens) - 1, 0) // ps)
-    host = cache.index.match_keys(keys)
+    host = cache.index.match_and_pin(keys)
+    try:
+        return _read(cache, keys, host, need_state)
+    finally:
+        cache.index.unpin(host)
+
+
+def _read(cache: "HostCache", keys: list[bytes], host: list[Node], need_state: bool) -> tuple[int, int]:
     rest = keys[len(host):]
     names = [k.hex() + ".kv" for k in rest]
     n = cache.l3.leading(names) if rest else 0
@@ -36,8 +43,8 @@ def read_into_host(cache: "HostCache", tokens: Sequence[int], need_state: bool) 
     if not n:
         return len(host), 0
     c, t0 = cache.counters, time.perf_counter()
-    cache.index.pin(host)
-    added: list[Node] = []
+    path: list[Node] = []  # the pages read (or, shared index, stored by another rank meanwhile)
+    read: list[Node] = []
     try:
         parent = host[-1] if host else None
         for key, name in zip(rest[:n], names):
@@ -45,32 +52,36 @@ def read_into_host(cache: "HostCache", tokens: Sequence[int], need_state: bool) 
             if page is None:
                 break
             if not cache.l3.read_into(name, bytes_view(cache.pool.pages[page])):
-                cache.pool.free_page(page)
+                cache._free_page(page)
                 c.l3_read_failures += 1
                 break
             parent = cache.index.insert(parent, key, page)
             cache.index.pin([parent])
-            added.append(parent)
-        c.l3_read_pages += len(added)
-        c.bytes_l3_read += len(added) * cache.pool.layout.page_bytes
-        if added:
-            cache._event("page_stored", [a.key for a in added])
-        if 0 <= state_at < len(added):
-            node, slot = added[state_at], cache._alloc_state()
+            path.append(parent)
+            if parent.page == page:
+                read.append(parent)
+            else:
+                cache._free_page(page)
+        c.l3_read_pages += len(read)
+        c.bytes_l3_read += len(read) * cache.pool.layout.page_bytes
+        if read:
+            cache._event("page_stored", [a.key for a in read])
+        if 0 <= state_at < len(path) and path[state_at].state is None:
+            node, slot = path[state_at], cache._alloc_state()
             if slot is not None and cache.l3.read_into(node.key.hex() + ".swa",
                                                          bytes_view(cache.pool.states[slot])):
-                cache.index.set_state(node, slot)
-                c.l3_read_states += 1
-                c.bytes_l3_read += cache.pool.layout.state_bytes
-                cache._event("state_stored", [node.key])
+                if cache.index.set_state(node, slot):
+                    c.l3_read_states += 1
+                    c.bytes_l3_read += cache.pool.layout.state_bytes
+                    cache._event("state_stored", [node.key])
             elif slot is not None:
-                cache.pool.free_state(slot)
+                cache._free_state(slot)
                 c.l3_read_failures += 1
-        cache.index.touch(host + added)
+        cache.index.touch(host + path)
     finally:
-        cache.index.unpin(host + added)
+        cache.index.unpin(path)
         c.seconds_l3_read += time.perf_counter() - t0
-    return len(host), len(added)
+    return len(host), len(path)
 
 
 def write_through(cache: "HostCache", added: list[Node], state_node: Node | None) -> None:

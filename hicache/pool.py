@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import weakref
 from dataclasses import dataclass
 from math import prod
@@ -86,15 +87,31 @@ class HostPoolLayout:
         return SHM_DIR / self.name
 
 
-def _unlink(path: Path, raw: torch.Tensor, registered_ptr: int | None) -> None:
+def _unlink(path: Path | None, raw: torch.Tensor, registered_ptr: int | None) -> None:
     # `raw` rides along so the mapping outlives the unregister.
     if registered_ptr is not None:
         torch.cuda.cudart().cudaHostUnregister(registered_ptr)
-    path.unlink(missing_ok=True)
+    if path is not None:
+        path.unlink(missing_ok=True)
+
+
+def _register_cuda(raw: torch.Tensor) -> int:
+    ptr = raw.data_ptr()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, raw.numel(), _CUDA_REGISTER_FLAGS)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of the {raw.numel()}-byte host cache failed: {err}")
+    return ptr
+
+
+def _populate_in_background(raw: torch.Tensor) -> None:
+    """MADV_POPULATE_WRITE in a daemon thread: it faults pages in without changing their bytes,
+    so stores and loads may run meanwhile (where the kernel lacks it, pages fault on first use)."""
+    threading.Thread(target=hugepages.populate_write, args=(raw,), name="hicache-populate", daemon=True).start()
 
 
 class HostPool:
-    """A mapped host pool plus (owner only) its page and state free lists. Not thread-safe.
+    """A mapped host pool plus its page and state free lists (a private pool's; a shared pool's
+    live in its SharedIndex). Not thread-safe.
 
     Use `HostPool.create(layout, pin_cuda=...)` in the owning rank and
     `HostPool.attach(layout)` elsewhere. Raises FileExistsError when creating a
@@ -112,15 +129,24 @@ class HostPool:
         self.owner = owner
         self._free_pages = list(range(layout.num_pages - 1, -1, -1))  # pop() hands out low ids first
         self._free_states = list(range(layout.num_states - 1, -1, -1))
-        self._finalizer = weakref.finalize(self, _unlink, layout.path, raw, registered_ptr) if owner else None
+        self._finalizer = (weakref.finalize(self, _unlink, layout.path if owner else None, raw, registered_ptr)
+                           if owner or registered_ptr is not None else None)
 
     @classmethod
-    def create(cls, layout: HostPoolLayout, pin_cuda: bool = False) -> "HostPool":
+    def create(cls, layout: HostPoolLayout, pin_cuda: bool = False, owner: bool = True,
+               populate: str = "now") -> "HostPool":
+        """`owner`: this object unlinks the file on close (False: a shared pool, hicache/shared_index.py,
+        unlinked by its last client). `populate`: "now" faults every page in before returning,
+        "background" in a daemon thread (only where the kernel does it without writing)."""
         fd = os.open(layout.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, layout.total_bytes)
             try:  # the pages exist now: a /dev/shm too small fails here, not with SIGBUS mid-copy
-                os.posix_fallocate(fd, 0, layout.total_bytes)
+                if populate != "background":
+                    os.posix_fallocate(fd, 0, layout.total_bytes)
+                elif os.statvfs(layout.path.parent).f_bavail * os.statvfs(layout.path.parent).f_frsize \
+                        < layout.total_bytes:  # (a shared pool fills in the background: 2.4 GB took 4 s)
+                    raise OSError(28, "No space left on device")
             except OSError as e:
                 os.close(fd)
                 fd = -1
@@ -132,31 +158,32 @@ class HostPool:
                 os.close(fd)
         try:
             raw = torch.from_file(str(layout.path), shared=True, size=layout.total_bytes, dtype=torch.uint8)
-            # Fault every page in now: the first write to a page of the mapping faults it in,
+            # Fault every page in: the first write to a page of the mapping faults it in,
             # which made a fresh cache's stores ~16x slower than later ones (a 542-token prompt's
             # 33 pages: 18 ms -> 1.1 ms). One madvise where the kernel has it (fallocate left the
             # pages zero), else a write to each page (0.25 GB took ~0.3 s here at start-up).
-            if not hugepages.populate_write(raw):
+            if populate == "background":
+                _populate_in_background(raw)
+            elif not hugepages.populate_write(raw):
                 raw.zero_()
-            ptr = None
-            if pin_cuda:
-                ptr = raw.data_ptr()
-                err = torch.cuda.cudart().cudaHostRegister(ptr, layout.total_bytes, _CUDA_REGISTER_FLAGS)
-                if int(err) != 0:
-                    raise RuntimeError(f"cudaHostRegister of the {layout.total_bytes}-byte host cache failed: {err}")
+            ptr = _register_cuda(raw) if pin_cuda else None
         except BaseException:
             layout.path.unlink(missing_ok=True)
             raise
-        return cls(layout, raw, owner=True, registered_ptr=ptr)
+        return cls(layout, raw, owner=owner, registered_ptr=ptr)
 
     @classmethod
-    def attach(cls, layout: HostPoolLayout) -> "HostPool":
-        """Map an existing pool (same bytes; this process must not allocate from it)."""
+    def attach(cls, layout: HostPoolLayout, pin_cuda: bool = False, populate: str = "") -> "HostPool":
+        """Map an existing pool (same bytes). Only a shared index (hicache/shared_index.py) may
+        allocate from it then. `populate="background"` faults its pages into this process in a
+        daemon thread."""
         size = layout.path.stat().st_size
         if size != layout.total_bytes:
             raise ValueError(f"{layout.path} has {size} bytes, the layout says {layout.total_bytes}")
         raw = torch.from_file(str(layout.path), shared=True, size=layout.total_bytes, dtype=torch.uint8)
-        return cls(layout, raw, owner=False, registered_ptr=None)
+        if populate == "background":
+            _populate_in_background(raw)
+        return cls(layout, raw, owner=False, registered_ptr=_register_cuda(raw) if pin_cuda else None)
 
     def close(self) -> None:
         """Unlink the name (owner) and unregister from CUDA; idempotent. Live tensors stay valid."""

@@ -5,14 +5,13 @@
 
   1. Resolve the model once here (GGUF conversion, if any, happens before ranks start).
   2. Bind the rank socket (tcp://127.0.0.1:<free port> by default) and start each rank
-     (`python -m rank_runtime.colocated`, `decode.rank`, `prefill.rank`) pointed at
-     it, its logs in --run-dir when given; then load the tokenizer (transformers: 5-8 s of a
-     2-core VM, while the ranks load). CPU threads are divided among the ranks (engine
-     --num-threads 0 -> cores // ranks, at least 1). PD mode (--prefill N --decode M, no
-     colocated ranks): the handoff flags go to every PD rank, --prefill-host/--decode-host
-     become their --host (their rank-to-rank address); the router introduces them (Peers).
-     Every rank gets a host KV cache of --hicache-size-gb GiB (0.25 here; 0: none), and with
-     --kv-store an L3 tier behind it (hicache/store.py; `mooncake`: a master started here).
+     (`python -m rank_runtime.colocated`, `decode.rank`, `prefill.rank`) pointed at it, logs
+     in --run-dir; then load the tokenizer (while the ranks load). CPU threads are divided among
+     the ranks (--num-threads 0 -> cores // ranks). PD mode (--prefill N --decode M): the handoff
+     flags go to every PD rank, --prefill-host/--decode-host become their --host (their
+     rank-to-rank address); the router introduces them (Peers). The ranks share one host KV
+     cache (hicache/host_plan.py; --hicache-scope rank: 0.25 GiB a rank), with --kv-store an
+     L3 tier behind it (hicache/store.py; `mooncake`: a master started here).
   3. Serve HTTP (uvicorn) until SIGINT/SIGTERM; /health turns 200 once every rank said Hello.
      The supervisor (supervisor.py) watches the rank processes: removes the shared memory of
      dead ones and, with --supervise, restarts them (--max-restarts, --restart-backoff-s).
@@ -42,6 +41,7 @@ from pathlib import Path
 from cluster import settings
 from cluster.auth import SECRET_ENV
 from cluster.cli_args import add_dataclass_args, from_args, opt
+from hicache.host_plan import plan_host_cache, remove_host_cache
 from hicache.store import StoreUnavailable, store_for_launch
 from pd_server.config import RouterConfig
 from rank_runtime.config import HandoffConfig
@@ -49,9 +49,7 @@ from rank_runtime.core_board import board_path, create_board, home_cpus, host_cp
 
 log = logging.getLogger("pd_server.launch")
 EXIT_USAGE = 2
-# GiB of shared memory per rank for its host KV cache (the engine's default is off): ~11k tokens of
-# smollm2-135m in bf16 (doubled in float32: _pools_for_dtype).
-HOST_CACHE_GB = 0.25
+HOST_CACHE_GB = 0.25  # a rank's host cache (~11k smollm2 tokens in bf16; float32: doubled, _pools_for_dtype)
 
 
 @dataclass(frozen=True)
@@ -155,7 +153,7 @@ def rank_command(engine_cfg, launch: LaunchConfig, role: str, index: int, router
             cmd += [flag if v else "--no-" + flag[2:]] if isinstance(v, bool) else [flag, str(v)]
     for f in fields(engine_cfg):  # only what differs from the engine's defaults
         value = getattr(engine_cfg, f.name)
-        if f.name == "hicache_shm_name" and value:
+        if f.name == "hicache_shm_name" and value and engine_cfg.hicache_scope == "rank":
             value = f"{value}-{role}-{index}"  # one host cache file per rank
         if value != f.default:
             cmd += ["--" + f.name.replace("_", "-"), str(value)]
@@ -168,7 +166,6 @@ def make_weights_dir() -> Path:
     """This launcher's directory for the ranks' shared weights (engine/shared_weights.py), on tmpfs
     where there is one; those of launchers that are gone are removed first."""
     from engine.shared_weights import PREFIX
-
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     remove_stale_launcher_paths(shm, PREFIX)
     d = shm / f"{PREFIX}{os.getpid()}"
@@ -305,13 +302,14 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, model_dir: 
             Path(board).unlink(missing_ok=True)
         if weights_dir is not None:
             shutil.rmtree(weights_dir, ignore_errors=True)
+        remove_host_cache(engine_cfg.hicache_shm_name)
         log.info("stopped")
 
 
-def _pools_for_dtype(engine_cfg, handoff: HandoffConfig, argv: list[str]):
+def _pools_for_dtype(engine_cfg, handoff: HandoffConfig, argv: list[str], num_ranks: int):
     """The host cache's and the handoff pool's default sizes hold as many tokens in float32 (the
-    dtype --dtype auto picks on a CPU without native bf16) as in bf16: twice the GiB. Sizes given
-    on the command line stay as given."""
+    dtype --dtype auto picks without native bf16) as in bf16: twice the GiB. Sizes given stay as
+    given. One host cache for the host (the default scope): hicache/host_plan.py sizes and names it."""
     scale = {"float32": 2.0}.get(engine_cfg.dtype, 1.0)
 
     def given(flag: str) -> bool:
@@ -319,6 +317,7 @@ def _pools_for_dtype(engine_cfg, handoff: HandoffConfig, argv: list[str]):
 
     if scale != 1.0 and not given("--hicache-size-gb"):
         engine_cfg = replace(engine_cfg, hicache_size_gb=engine_cfg.hicache_size_gb * scale)
+    engine_cfg = plan_host_cache(engine_cfg, num_ranks, engine_cfg.hicache_size_gb, given("--hicache-size-gb"))
     if scale != 1.0 and not given("--handoff-pool-gb"):
         handoff = replace(handoff, handoff_pool_gb=handoff.handoff_pool_gb * scale)
     return engine_cfg, handoff
@@ -351,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     add_dataclass_args(ap, RouterConfig)
     add_dataclass_args(ap, HandoffConfig)
     add_cli_args(ap, EngineConfig)
-    ap.set_defaults(hicache_size_gb=HOST_CACHE_GB)
+    ap.set_defaults(hicache_size_gb=HOST_CACHE_GB, hicache_scope="host")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
@@ -382,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = decode_pack_for_host(cfg, launch, engine_cfg.num_threads, len(host_cpus()))
     log.info("%d rank(s), %d torch thread(s) each, %s%s", launch.num_ranks, engine_cfg.num_threads, engine_cfg.dtype,
              f"; decode ranks filled {cfg.decode_pack} requests at a time (--decode-pack)" if cfg.decode_pack else "")
-    engine_cfg, handoff = _pools_for_dtype(engine_cfg, handoff, argv if argv is not None else sys.argv[1:])
+    engine_cfg, handoff = _pools_for_dtype(engine_cfg, handoff, argv if argv is not None else sys.argv[1:],
+                                           0 if launch.fake_ranks else launch.num_ranks)
     from engine.model_cache import cached_model_dir, served_name
 
     model_dir = cached_model_dir(engine_cfg.model)  # converts a GGUF once, before any rank starts

@@ -73,6 +73,7 @@ class RankRegistry:
         self.model = model  # served name every rank must report
         self.ranks: dict[str, Rank] = {}  # by name, in the order they became known
         self._by_identity: dict[bytes, Rank] = {}
+        self._shared_caches: dict[str, RankCacheIndex] = {}  # Hello.cache_group -> its one picture
 
     def expect(self, role: str, index: int, process: subprocess.Popen | None = None,
                ready_by: float = 0.0) -> Rank:
@@ -110,7 +111,10 @@ class RankRegistry:
             rank = self.ranks[name] = Rank(hello.role, hello.index)
         rank.pid, rank.identity, rank.hello = hello.pid, identity, hello
         if hello.cache_root and rank.cache is None:  # a repeated Hello keeps it
-            rank.cache = RankCacheIndex(hello.cache_root, hello.page_size, hello.cache_needs_state)
+            rank.cache = self._shared_caches.get(hello.cache_group) or RankCacheIndex(
+                hello.cache_root, hello.page_size, hello.cache_needs_state)
+            if hello.cache_group:  # one host cache: one picture for all its ranks
+                self._shared_caches[hello.cache_group] = rank.cache
         rank.state, rank.last_seen = READY, now
         self._by_identity[identity] = rank
         return Welcome(PROTOCOL_VERSION, name, heartbeat_s)

@@ -33,7 +33,8 @@ def hello_for(cfg: RankConfig, engine_cfg, engine, peer_addr: str = "") -> Hello
     hc = engine.hicache  # a decode rank's holds the prompts it prefilled itself (--disagg)
     return Hello(PROTOCOL_VERSION, cfg.role, cfg.index, os.getpid(), served_name(engine_cfg.model),
                  engine.max_model_len, engine.model_cfg.vocab_size, engine_cfg.page_size, engine.pool.num_pages,
-                 peer_addr, hc.index.root if hc else b"", hc.has_swa if hc else False, node_name())
+                 peer_addr, hc.index.root if hc else b"", hc.has_swa if hc else False, node_name(),
+                 f"{node_name()}|{engine_cfg.hicache_shm_name}" if hc is not None and hc.shared else "")
 
 
 def node_name() -> str:

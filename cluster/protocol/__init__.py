@@ -34,7 +34,8 @@ from typing import Literal
 # handoff leases). 7: Hello.node (the rank's host, for /health). 8: RankStats' L3 counters
 # (kv_store_hit_tokens, kv_store_read_bytes, kv_store_written_bytes) and handoff counters
 # (handoff_pulled_tokens, handoff_reused_tokens: a decode rank reads only what it lacks).
-PROTOCOL_VERSION = 8
+# 9 added Hello.cache_group (ranks sharing one host cache).
+PROTOCOL_VERSION = 9
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (cluster/auth.py).
 # The largest legitimate frames: a Generate or Handoff of a 1M-token prompt (<= 5 bytes per id in

@@ -36,6 +36,9 @@ class Hello(msgspec.Struct, frozen=True, array_like=True, tag="hello"):
     cache_root: bytes = b""
     cache_needs_state: bool = False  # hybrid (SWA) model: a hit must end at a page holding a state
     node: str = ""  # the host the rank runs on, for /health ($PDSERVE_NODE under Ray, else the hostname)
+    # Ranks with one host cache between them (hicache/shared_index.py) send the same non-empty
+    # group: the router keeps one picture of it, fed by all their CacheEvents.
+    cache_group: str = ""
 
 
 class CacheUpdate(msgspec.Struct, frozen=True, array_like=True):

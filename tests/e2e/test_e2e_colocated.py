@@ -293,14 +293,16 @@ def test_concurrent_requests_use_both_ranks(colocated_system):
     assert not errors and sorted(set(seen)) == ["colocated-0", "colocated-1"]
 
 
-def test_cache_aware_sends_the_next_turn_to_the_rank_holding_its_prefix(colocated_system, client):
+def test_the_next_turn_is_the_hit_cache_aware_routing_expected_on_either_rank(colocated_system, client):
+    """The ranks share one host cache (the launcher's default), so either rank holds the first
+    turn's pages and the router, knowing it, picks by load. (Affinity to the rank that holds a
+    prefix, with private caches: test_router_routing.py.)"""
     notes = " ".join(f"Note {i}: parcel {i * 37 % 101} goes to shelf {i * 11 % 13}." for i in range(12))
     turn1 = [{"role": "user", "content": f"Remember these notes. {notes}"}]  # not sent before
     r1 = client.chat.completions.with_raw_response.create(model=MODEL, messages=turn1, max_tokens=4)
     reply = r1.parse().choices[0].message.content
     turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "Where does parcel 37 go?"}]
     r2 = client.chat.completions.with_raw_response.create(model=MODEL, messages=turn2, max_tokens=4)
-    assert r2.headers["x-pdserve-rank"] == r1.headers["x-pdserve-rank"]
     cached = r2.parse().usage.prompt_tokens_details.cached_tokens
     assert cached >= 64
     rid = r2.headers["x-request-id"]

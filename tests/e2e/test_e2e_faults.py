@@ -277,14 +277,16 @@ def test_killed_launcher_takes_its_ranks_and_their_shared_memory_along(tmp_path)
                           timeout=300)
     try:
         pid = system.ranks()["colocated-0"]["pid"]
-        assert shm_of(pid), "the rank's host cache should live in /dev/shm"
+        # The host's one cache, named by the launcher's pid (hicache/host_plan.py); the last rank removes it.
+        host_cache = [*Path("/dev/shm").glob(f"pdserve-hostcache-{system.proc.pid}-*")]
+        assert len(host_cache) == 2, "the host cache (pool and index) should live in /dev/shm"
         os.kill(system.proc.pid, signal.SIGKILL)  # the launcher only, not its group
         system.proc.wait(timeout=10)
         deadline = time.monotonic() + 15
         while not pid_gone(pid):
             assert time.monotonic() < deadline, "the rank outlived its launcher by 15 s"
             time.sleep(0.2)
-        assert not shm_of(pid)
+        assert not shm_of(pid) and not any(p.exists() for p in host_cache)
     finally:
         stop_system(system)
 

@@ -1,9 +1,10 @@
 """The L3 tier on real processes (`--kv-store file:DIR`): a prefix one rank computed is a hit on
-another rank of the host (round-robin routing sends each turn to the other rank, whose host
-cache never saw it), and after a restart over the same directory; the greedy text is the same
-whichever tier served the prefix, and /metrics counts the store's hits and bytes. In PD mode a
-decode rank keeps every handed-off prompt's pages, so the next turn's handoff reads only what it
-lacks (pdserve_handoff_reused_tokens), with the colocated text.
+another rank of the host (round-robin routing sends each turn to the other rank, whose private
+host cache, --hicache-scope rank, never saw it), and after a restart over the same directory; the
+greedy text is the same whichever tier served the prefix, and /metrics counts the store's hits
+and bytes. In PD mode with private caches a decode rank keeps every handed-off prompt's pages
+(--decode-keep-prompts), so the next turn's handoff reads only what it lacks
+(pdserve_handoff_reused_tokens), with the colocated text. (One cache per host: test_e2e_host_cache.py.)
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_a_prefix_is_a_hit_on_another_rank_and_after_a_restart(tmp_path):
     store = f"file:{tmp_path / 'kv'}"
     turn1 = [{"role": "system", "content": STORY}, {"role": "user", "content": "Name a colour."}]
     system = start_system(tmp_path / "a", ["--colocated", "2", "--routing-policy", "round-robin",
-                                           "--kv-store", store, *COMMON], timeout=420)
+                                           "--hicache-scope", "rank", "--kv-store", store, *COMMON], timeout=420)
     try:
         answer1, cached1, rank1 = chat(system, turn1)
         turn2 = turn1 + [{"role": "assistant", "content": answer1}, {"role": "user", "content": "And another?"}]
@@ -70,7 +71,8 @@ def test_a_decode_rank_reads_only_what_it_lacks_with_the_colocated_text(tmp_path
     finally:
         stop_system(colocated)
     pd = start_system(tmp_path / "pd", ["--prefill", "1", "--decode", "1", "--transfer", "shm", "--disagg", "always",
-                                        "--handoff-pool-gb", "0.2", "--decode-keep-prompts", *COMMON], timeout=420)
+                                        "--handoff-pool-gb", "0.2", "--decode-keep-prompts", "--hicache-scope", "rank",
+                                        *COMMON], timeout=420)
     try:
         assert chat(pd, turn1)[0] == answer1
         pd.wait_until(lambda: metric(pd, "pdserve_handoff_pulled_tokens_total") > 0, 10, "the first pull counted")

@@ -81,12 +81,12 @@ def test_the_launchers_pools_hold_as_many_tokens_in_float32():
     from rank_runtime.config import HandoffConfig
 
     hand = HandoffConfig(handoff_pool_gb=0.25)
-    e, h = _pools_for_dtype(EngineConfig(dtype="float32", hicache_size_gb=0.25), hand, [])
+    e, h = _pools_for_dtype(EngineConfig(dtype="float32", hicache_size_gb=0.25), hand, [], 2)
     assert (e.hicache_size_gb, h.handoff_pool_gb) == (0.5, 0.5)
     e, h = _pools_for_dtype(EngineConfig(dtype="float32", hicache_size_gb=0.25), hand,
-                            ["--hicache-size-gb=0.25", "--handoff-pool-gb", "0.25"])
+                            ["--hicache-size-gb=0.25", "--handoff-pool-gb", "0.25"], 2)
     assert (e.hicache_size_gb, h.handoff_pool_gb) == (0.25, 0.25)  # given: kept
-    e, h = _pools_for_dtype(EngineConfig(dtype="bfloat16", hicache_size_gb=0.25), hand, [])
+    e, h = _pools_for_dtype(EngineConfig(dtype="bfloat16", hicache_size_gb=0.25), hand, [], 2)
     assert (e.hicache_size_gb, h.handoff_pool_gb) == (0.25, 0.25)
 
 
