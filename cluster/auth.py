@@ -13,8 +13,10 @@ With a secret, both links that take network input run CURVE (encrypted, authenti
   2. A ZAP handler on the binding side (`start_authenticator`) also checks that the client's
      long-term key is the derived client key (a leaked server key alone does not let one in).
   3. The rank's link watches its handshake (`handshake_failure`) and exits with the reason.
-Without a secret the sockets use ZeroMQ's NULL mechanism: fine for loopback and ipc://, which
-is the default; the launcher warns when the rank socket is bound beyond loopback without one.
+The launcher generates a secret per start when it starts the ranks and none is given (a local
+process cannot join as a rank by default). Without a secret (a router alone, joined by ranks
+started by hand) the sockets use ZeroMQ's NULL mechanism; the launcher warns when the rank socket
+is bound beyond loopback without one.
 Either way every such socket has ZMQ_MAXMSGSIZE (protocol.MAX_FRAME_BYTES): a bigger frame
 drops the connection instead of being buffered.
 """

@@ -332,7 +332,7 @@ class HandoffReceiver:
         hc = getattr(self.engine, "hicache", None)
         if hc is None:
             return 0
-        hit = hc.lookup(h.prompt_ids, need_state=False)
+        hit = hc.lookup(h.prompt_ids, need_state=False, salt=h.sampling.cache_salt)
         n = len(hit.path)
         if not n:
             hc.release(hit)
@@ -346,7 +346,7 @@ class HandoffReceiver:
         if hc is None or not self.keep_prompts:
             return
         try:
-            hc.store(h.prompt_ids, self.engine.pool, res.pages, None)
+            hc.store(h.prompt_ids, self.engine.pool, res.pages, None, h.sampling.cache_salt)
         except Exception:  # noqa: BLE001 - a later turn pulls them again; this request goes on
             log.exception("storing the pages of %s in the host cache failed", h.request_id)
 

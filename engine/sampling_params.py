@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from engine.grammar import GrammarSpec
 
 
+MAX_CACHE_SALT = 1024  # characters of a cache_salt
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of the sampler and of the stop checker.
@@ -41,6 +44,9 @@ class SamplingParams:
     min_tokens: int = 0
     # Per-request switch for the host prefix cache (issue: hicache).
     prefix_cache: bool = True
+    # The tenant's salt (vLLM's and SGLang's cache_salt): folded into the page keys, so a prompt is a
+    # prefix-cache hit only for requests of the same salt (hicache.index.salted_root). "": none.
+    cache_salt: str = ""
     include_stop_str_in_output: bool = False
     grammar: GrammarSpec | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -75,6 +81,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
+            raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
 
     def token_ids(self) -> tuple[int, ...]:
         """Every token id this request carries outside its prompt (the fields the sampler uses

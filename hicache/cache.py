@@ -45,7 +45,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVPool
 from engine.sequence import Sequence
-from hicache.index import Node, PrefixIndex, namespace_key, page_keys
+from hicache.index import Node, PrefixIndex, namespace_key, page_keys, salted_root
 from hicache.l3 import read_into_host, write_through
 from hicache.pool import HostPool, HostPoolLayout, default_shm_name
 from hicache.shared_index import attach_or_create
@@ -178,15 +178,17 @@ class HostCache:
         self.pool.close()
 
     # ---- lookup and load -------------------------------------------------------------
-    def lookup(self, tokens: Seq[int], need_state: bool | None = None) -> Hit:
+    def lookup(self, tokens: Seq[int], need_state: bool | None = None, salt: str = "") -> Hit:
         """Longest usable stored prefix of `tokens`, pinned (see PrefixIndex.lookup), after
         reading what the L3 store adds to the host cache's hit into host pages. `need_state`
         (default: hybrid models) ends the hit at a stored SWA state; False for pages alone (a
-        decode rank whose handoff brings the state)."""
+        decode rank whose handoff brings the state). `salt`: the request's cache_salt (only
+        pages stored under the same salt are a hit)."""
         need_state = self.has_swa if need_state is None else need_state
+        root = salted_root(self.index.root, salt)
         self._unpin_written()
-        on_host, from_l3 = read_into_host(self, tokens, need_state) if self.l3 is not None else (0, 0)
-        path = self.index.lookup_and_pin(tokens, need_state=need_state)
+        on_host, from_l3 = read_into_host(self, tokens, need_state, root) if self.l3 is not None else (0, 0)
+        path = self.index.lookup_and_pin(tokens, need_state, root)
         c = self.counters
         c.lookups += 1
         c.lookup_tokens += len(tokens)
@@ -221,7 +223,7 @@ class HostCache:
             self.release(hit)
 
     # ---- store -----------------------------------------------------------------------
-    def store(self, tokens: Seq[int], kv: KVPool, dev_pages: list[int], swa_slot: int | None) -> int:
+    def store(self, tokens: Seq[int], kv: KVPool, dev_pages: list[int], swa_slot: int | None, salt: str = "") -> int:
         """Write through the complete pages of `tokens` (device pages `dev_pages`) not yet stored.
 
         With `swa_slot` and len(tokens) on a page boundary, also stores that slot's
@@ -230,7 +232,7 @@ class HostCache:
         of pinned pages.
         """
         n = len(tokens) // self.page_size
-        keys = page_keys(tokens, self.page_size, self.index.root, n)
+        keys = page_keys(tokens, self.page_size, salted_root(self.index.root, salt), n)
         path = self.index.match_and_pin(keys)
         added: list[Node] = []  # pages this call stored
         held: list[Node] = []  # (shared index) pages another rank stored meanwhile
@@ -351,7 +353,7 @@ class HostCache:
         seq.num_cached_prompt = 0
         if not seq.params.prefix_cache:
             return True
-        hit = self.lookup(seq.token_ids)
+        hit = self.lookup(seq.token_ids, salt=seq.params.cache_salt)
         if hit.path:
             if len(hit.path) > kv.free_pages:
                 self.release(hit)
@@ -380,7 +382,7 @@ class HostCache:
                     # Sequence.num_schedulable ended the chunk here, so the ring is as of `point`.
                     assert point == seq.num_computed, (point, seq.num_computed)
                     slot = seq.swa_slot
-                self.store(seq.prompt_ids[:point], kv, seq.pages, slot)
+                self.store(seq.prompt_ids[:point], kv, seq.pages, slot, seq.params.cache_salt)
 
     # ---- counters and events -------------------------------------------------------------
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_idx: list[int], dst_idx: list[int],

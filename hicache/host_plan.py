@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,15 +49,23 @@ def default_host_cache_gb(per_rank_gb: float, num_ranks: int, shm_dir: Path = SH
     return round(max(0.05, min(want, RAM_CAP_SHARE * avail, 0.5 * shm_free, MAX_DEFAULT_GB)), 3)
 
 
-def plan_host_cache(engine_cfg, num_ranks: int, per_rank_gb: float, size_given: bool):
-    """The ranks' engine config with scope "host": a name of this launcher's unless one was given,
-    and, unless --hicache-size-gb was given, the default size above (per_rank_gb: the per-rank
-    default in this dtype). Other scopes, or no cache, pass through."""
+def plan_host_cache(engine_cfg, num_ranks: int, given: Callable[[str], bool]):
+    """The ranks' engine config with scope "host": a name of this launcher's unless one was given;
+    unless given on the command line (`given(flag)`), the default size above (the config's
+    hicache_size_gb being the per-rank default in this dtype) and the ranks' SWA state slots
+    added up (hybrid models: as many conversations' states as private caches held). Other
+    scopes, or no cache, pass through."""
     if engine_cfg.hicache_scope != "host" or engine_cfg.hicache_size_gb <= 0:
         return engine_cfg
     remove_stale_host_caches()
-    size = engine_cfg.hicache_size_gb if size_given else default_host_cache_gb(per_rank_gb, num_ranks)
-    return replace(engine_cfg, hicache_size_gb=size, hicache_shm_name=engine_cfg.hicache_shm_name or host_cache_name())
+    size = engine_cfg.hicache_size_gb
+    if not given("--hicache-size-gb"):
+        size = default_host_cache_gb(size, num_ranks)
+    slots = engine_cfg.hicache_state_slots
+    if not given("--hicache-state-slots"):
+        slots *= max(num_ranks, 1)
+    return replace(engine_cfg, hicache_size_gb=size, hicache_state_slots=slots,
+                   hicache_shm_name=engine_cfg.hicache_shm_name or host_cache_name())
 
 
 def remove_host_cache(name: str, shm_dir: Path = SHM_DIR) -> None:

@@ -30,6 +30,14 @@ def namespace_key(model: str, dtype: str, page_size: int) -> bytes:
     return hashlib.blake2b(f"pdserve-kv|{model}|{dtype}|{page_size}".encode(), digest_size=KEY_BYTES).digest()
 
 
+def salted_root(root: bytes, salt: str) -> bytes:
+    """The root of a request's key chain: `root` itself without a salt, else one of the salt's own
+    (a request's cache_salt: its pages are never a hit for another salt's, nor for no salt)."""
+    if not salt:
+        return root
+    return hashlib.blake2b(root + b"|salt|" + salt.encode(), digest_size=KEY_BYTES).digest()
+
+
 def page_keys(tokens: Sequence[int], page_size: int, root: bytes, num_pages: int | None = None) -> list[bytes]:
     """Chain keys of the first `num_pages` full pages of `tokens` (default: all full pages).
 
@@ -92,9 +100,10 @@ class PrefixIndex:
         return list(self._nodes.values())
 
     # ---- lookup --------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], num_pages: int) -> list[Node]:
-        """The stored path for the longest prefix of the first `num_pages` pages of `tokens`."""
-        return self.match_keys(_iter_keys(tokens, self.page_size, self.root, num_pages))
+    def match(self, tokens: Sequence[int], num_pages: int, root: bytes | None = None) -> list[Node]:
+        """The stored path for the longest prefix of the first `num_pages` pages of `tokens`
+        (keys under `root`, default the index's: a salted root, salted_root)."""
+        return self.match_keys(_iter_keys(tokens, self.page_size, root or self.root, num_pages))
 
     def match_keys(self, keys) -> list[Node]:
         """The stored path for the longest prefix of a root-first key chain (hashing stops at a miss)."""
@@ -106,14 +115,14 @@ class PrefixIndex:
             path.append(node)
         return path
 
-    def lookup(self, tokens: Sequence[int], need_state: bool) -> list[Node]:
+    def lookup(self, tokens: Sequence[int], need_state: bool, root: bytes | None = None) -> list[Node]:
         """Longest reusable stored path for a prompt; does not pin or touch.
 
         Capped at (len(tokens) - 1) // page_size pages so at least one token is left
         to compute (its logits are sampled). With `need_state` (hybrid models) the
         path is cut back to its deepest node that holds an SWA state (maybe empty).
         """
-        path = self.match(tokens, max(len(tokens) - 1, 0) // self.page_size)
+        path = self.match(tokens, max(len(tokens) - 1, 0) // self.page_size, root)
         if need_state:
             while path and path[-1].state is None:
                 path.pop()
@@ -125,8 +134,8 @@ class PrefixIndex:
         self.pin(path)
         return path
 
-    def lookup_and_pin(self, tokens: Sequence[int], need_state: bool) -> list[Node]:
-        path = self.lookup(tokens, need_state)
+    def lookup_and_pin(self, tokens: Sequence[int], need_state: bool, root: bytes | None = None) -> list[Node]:
+        path = self.lookup(tokens, need_state, root)
         self.pin(path)
         return path
 

@@ -16,13 +16,13 @@ if TYPE_CHECKING:
     from hicache.cache import HostCache
 
 
-def read_into_host(cache: "HostCache", tokens: Sequence[int], need_state: bool) -> tuple[int, int]:
+def read_into_host(cache: "HostCache", tokens: Sequence[int], need_state: bool, root: bytes) -> tuple[int, int]:
     """Read the run of `tokens`' pages past the host hit that the store holds (and, hybrid
     models, the deepest SWA state among them, without which they are no hit) into host
     pages, indexed as stored. Returns (pages the host had, pages read). Stops at the first
     object it cannot read: the request computes from there."""
     ps = cache.page_size
-    keys = page_keys(tokens, ps, cache.index.root, max(len(tokens) - 1, 0) // ps)
+    keys = page_keys(tokens, ps, root, max(len(tokens) - 1, 0) // ps)
     host = cache.index.match_and_pin(keys)
     try:
         return _read(cache, keys, host, need_state)

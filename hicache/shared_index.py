@@ -291,9 +291,9 @@ class SharedIndex:
             self._pin(pages)
             return [self._node(p) for p in pages]
 
-    def lookup_and_pin(self, tokens: Sequence[int], need_state: bool) -> list[Node]:
+    def lookup_and_pin(self, tokens: Sequence[int], need_state: bool, root: bytes | None = None) -> list[Node]:
         """PrefixIndex.lookup, pinned in the same critical section."""
-        keys = page_keys(tokens, self.page_size, self.root, max(len(tokens) - 1, 0) // self.page_size)
+        keys = page_keys(tokens, self.page_size, root or self.root, max(len(tokens) - 1, 0) // self.page_size)
         with self._locked():
             pages = self._match(keys)
             if need_state:

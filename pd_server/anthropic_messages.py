@@ -73,7 +73,7 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
             fields["parallel_tool_calls"] = False
     if isinstance(req, MessagesRequest):
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
-                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, cache_salt=req.cache_salt)
     try:
         return ChatCompletionRequest(**fields)
     except ValidationError as e:  # NOTE: the checks above leave none expected; a 400 all the same

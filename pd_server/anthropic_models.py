@@ -21,6 +21,7 @@ from typing import Annotated, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.sampling_params import MAX_CACHE_SALT
 from pd_server.api_models import check_encodable
 from pd_server.serving import Choice
 from pd_server.tool_parser import ParsedToolCall
@@ -157,6 +158,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, lt=2**31)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)  # (as chat takes it)
 
     @model_validator(mode="after")
     def _check_stops(self):

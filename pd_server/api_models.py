@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.sampling_params import MAX_CACHE_SALT
+
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # a rank's token ids are int32
 
 
@@ -65,6 +67,8 @@ class SamplingRequest(_Model):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: token ids in each choice
+    # vLLM/SGLang: a tenant's salt for the prefix cache (its prompts hit only its own pages)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
 
     @model_validator(mode="before")
     @classmethod

@@ -39,7 +39,7 @@ from pd_server.limits import check_chat, check_completion
 from pd_server.openai_responses import ResponsesRequest, create_response, to_chat
 from pd_server.ranks import READY
 from pd_server.responses import ModelCard, ModelList, to_json
-from pd_server.security import RequestGuard, api_key
+from pd_server.security import RequestGuard, api_key, key_matches
 from pd_server.serving import ServerContext
 from pd_server.sse_response import with_server_send
 from pd_server.tokenize import detokenize, tokenize
@@ -170,13 +170,21 @@ def build_app(ctx: ServerContext):
     async def detokenize_route(req: DetokenizeRequest):
         return Response(to_json(await ctx.offload(detokenize, req, ctx)), media_type=JSON)
 
+    key = api_key(ctx.cfg).encode()
+
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         reg, now = ctx.registry, time.monotonic()
         status = reg.status
         body = {"status": status, "model": ctx.model_name, "max_model_len": reg.max_model_len,
                 "rank_addr": ctx.dispatcher.address, "ranks": [r.describe(now) for r in reg.ranks.values()],
                 "down": [r.name for r in reg.ranks.values() if r.state != READY and status == "degraded"]}
+        if key and not key_matches(request.headers.get("authorization", "").encode() or None, key):
+            # Open for probes, but where a key guards the API the cluster's addresses and pids need it too.
+            body.pop("rank_addr")
+            for r in body["ranks"]:
+                for k in ("pid", "node", "error"):
+                    r.pop(k, None)
         return Response(to_json(body), status_code=200 if status in ("ok", "degraded") else 503, media_type=JSON)
 
     @app.get("/metrics")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from cluster.protocol.rank_router import CacheUpdate
-from hicache.index import page_keys
+from hicache.index import page_keys, salted_root
 
 
 class RankCacheIndex:
@@ -38,10 +38,12 @@ class RankCacheIndex:
             else:  # state_evicted
                 self.states.difference_update(u.keys)
 
-    def keys(self, prompt_ids: Sequence[int]) -> list[bytes]:
+    def keys(self, prompt_ids: Sequence[int], salt: str = "") -> list[bytes]:
         """The prompt's page keys a lookup on the rank could hit: like PrefixIndex.lookup, at
-        most (len - 1) // page_size pages, so one token is always left to compute."""
-        return page_keys(prompt_ids, self.page_size, self.root, max(len(prompt_ids) - 1, 0) // self.page_size)
+        most (len - 1) // page_size pages, so one token is always left to compute; under the
+        request's cache_salt, as the rank keys them."""
+        return page_keys(prompt_ids, self.page_size, salted_root(self.root, salt),
+                         max(len(prompt_ids) - 1, 0) // self.page_size)
 
     def hit_tokens(self, keys: Sequence[bytes]) -> int:
         """Prompt tokens the rank's cache would serve for a prompt with these page keys."""
@@ -61,5 +63,5 @@ class RankCacheIndex:
             n += 1
         return n * self.page_size
 
-    def expected_hit_tokens(self, prompt_ids: Sequence[int]) -> int:
-        return self.hit_tokens(self.keys(prompt_ids))
+    def expected_hit_tokens(self, prompt_ids: Sequence[int], salt: str = "") -> int:
+        return self.hit_tokens(self.keys(prompt_ids, salt))

@@ -64,7 +64,7 @@ async def submit_chat(req: ChatCompletionRequest, ctx: ServerContext, prefix: st
             for i in range(req.n)]
     first_user = next((m.text for m in req.messages if m.role == "user"), "")
     rid = new_request_id(prefix)
-    handle = ctx.dispatcher.submit(rid, work, RouteRequest(chat.prompt_ids, req.n, first_user), arrival)
+    handle = ctx.dispatcher.submit(rid, work, RouteRequest(chat.prompt_ids, req.n, first_user, req.cache_salt or ""), arrival)
     return Submitted(chat, handle, rid, route_headers(handle, rid))
 
 

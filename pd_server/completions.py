@@ -48,7 +48,7 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
                                 ctx.cfg.max_tokens_limit)
         work += [(ids, make_sampling(req, max_tokens, req.logprobs, j, vocab)) for j in range(req.n)]
     rid = new_request_id("cmpl")
-    handle = ctx.dispatcher.submit(rid, work, RouteRequest(prompts[0], len(work)), arrival)
+    handle = ctx.dispatcher.submit(rid, work, RouteRequest(prompts[0], len(work), cache_salt=req.cache_salt or ""), arrival)
     headers = route_headers(handle, rid)
     echoes = [_echo(ctx, req, p) for p in req.prompts] if req.echo else None
     if req.stream:

@@ -25,7 +25,7 @@ PD ranks learn each other from `Peers` (every live prefill and decode rank with 
 address), sent after each one's Welcome and to all of them whenever one joins or dies.
 Everything runs on the event loop thread; the socket is a zmq.asyncio ROUTER whose sends
 never block (no high-water mark; ROUTER_MANDATORY turns a vanished peer into an error).
-Frames are size-bounded, and with a cluster secret the socket runs CURVE (cluster_auth.py):
+Frames are size-bounded, and with a cluster secret the socket runs CURVE (cluster/auth.py):
 a peer without the secret never gets a frame through. A frame from an identity that never
 said an accepted Hello, or from a rank declared dead, is answered with Shutdown and otherwise
 ignored; a Hello from a process declared dead is refused.
@@ -60,7 +60,7 @@ log = logging.getLogger("pd_server.dispatcher")
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: RankRegistry, policy: RoutingPolicy,
                  metrics: RouterMetrics, secret: str = "") -> None:
-        """`secret`: the cluster secret ranks must prove (cluster_auth.py); "" admits any rank."""
+        """`secret`: the cluster secret ranks must prove (cluster/auth.py); "" admits any rank."""
         self.cfg = cfg
         self.secret = secret
         self.registry = registry
@@ -149,7 +149,7 @@ class Dispatcher:
         if self.cfg.log_requests:
             log.info("%s -> %s by %s (%d sequence(s), %d prompt tokens, expected hit %d tokens)%s", request_id,
                      "+".join(r.name for r in (rank, decode) if r), self.policy.name, len(work), len(work[0][0]),
-                     expected_hit_tokens(rank, work[0][0]),
+                     expected_hit_tokens(rank, work[0][0], work[0][1].cache_salt),
                      f", prefill on {placement.describe()}" if placement else "")
         elif placement is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("%s prefill on %s", request_id, placement.describe())

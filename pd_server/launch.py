@@ -16,9 +16,9 @@
      The supervisor (supervisor.py) watches the rank processes: removes the shared memory of
      dead ones and, with --supervise, restarts them (--max-restarts, --restart-backoff-s).
      A rank without Hello --rank-start-timeout-s after its start is marked dead.
-     --cluster-secret (or $PDSERVE_CLUSTER_SECRET): every rank socket runs ZeroMQ CURVE and
-     admits only ranks holding the secret (cluster_auth.py). --colocated 0 (no PD ranks):
-     the router alone, ranks started by hand join it.
+     Rank sockets run ZeroMQ CURVE and admit only ranks holding the secret (cluster/auth.py):
+     --cluster-secret, $PDSERVE_CLUSTER_SECRET, else a random one per start. --colocated 0
+     (no PD ranks): the router alone, ranks started by hand join it (no secret unless given).
   4. On the way out: Shutdown to every rank, wait a few seconds, then SIGTERM/SIGKILL any
      that remain. Ranks also exit by themselves when the router goes silent (5 s), so a
      killed launcher leaves nothing running.
@@ -35,6 +35,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from secrets import token_urlsafe
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -69,8 +70,9 @@ class LaunchConfig:
     supervise: bool = opt(False, "restart a rank that died (exited, hung, or never became ready)")
     max_restarts: int = opt(3, "with --supervise: restarts per rank name, then it stays dead")
     restart_backoff_s: float = opt(1.0, "with --supervise: wait before a restart, doubled per restart of that rank")
-    cluster_secret: str = opt("", "shared secret every rank must prove (ZeroMQ CURVE on rank sockets); "
-                                  "default $PDSERVE_CLUSTER_SECRET, passed to the ranks in their environment")
+    cluster_secret: str = opt("", "shared secret every rank must prove (ZeroMQ CURVE on rank sockets); default "
+                                  "$PDSERVE_CLUSTER_SECRET, else a random one when this launcher starts the ranks; "
+                                  "passed to the ranks in their environment")
     lend_cores: bool = opt(True, "steps of at most 1024 rows (decode batches, prefill chunks; float32 on AVX2: "
                                  "decode steps of at most 16 rows) run on the torch threads of this host's "
                                  "idle ranks too (a lone prompt prefills on every core); the kernels give "
@@ -174,9 +176,8 @@ def make_weights_dir() -> Path:
 
 
 def shared_weights_config(engine_cfg, launch: LaunchConfig):
-    """(the ranks' engine config, this launcher's weights directory or None). With share_weights
-    and more than one CPU rank the ranks get a new directory of this launcher's (removed when it
-    stops), unless --shared-weights-dir named one (kept); without share_weights, none."""
+    """(the ranks' engine config, this launcher's weights directory or None): with share_weights and
+    2+ CPU ranks a new one of this launcher's (removed at its stop) unless --shared-weights-dir names one."""
     if not launch.share_weights:
         return replace(engine_cfg, shared_weights_dir=""), None
     if engine_cfg.shared_weights_dir or launch.num_ranks < 2 or engine_cfg.device != "cpu" or launch.fake_ranks:
@@ -186,9 +187,8 @@ def shared_weights_config(engine_cfg, launch: LaunchConfig):
 
 
 def disagg_costs_for_dtype(cfg: RouterConfig, launch: LaunchConfig, engine_cfg) -> RouterConfig:
-    """PD with --disagg auto and no --disagg-costs: the repository's curves measured in the dtype
-    the ranks compute in (float32 on CPUs without native bf16: the Zen 3 curves' prefills take
-    2.4-3.0x the bf16 curves' time, their decode steps 1.4-1.9x), else as the router finds them."""
+    """PD with --disagg auto and no --disagg-costs: the repository's curves measured in the ranks' dtype
+    (float32 without native bf16: Zen 3's prefills 2.4-3.0x bf16's, decode steps 1.4-1.9x), else as found."""
     if not launch.pd or cfg.disagg != "auto" or cfg.disagg_costs:
         return cfg
     from engine.model_cache import served_name
@@ -202,10 +202,9 @@ DECODE_PACK = 8  # --decode-pack auto where the ranks share cores (docs/results/
 
 
 def decode_pack_for_host(cfg: RouterConfig, launch: LaunchConfig, threads: int, cores: int) -> RouterConfig:
-    """--decode-pack auto (-1): DECODE_PACK where this launcher starts several decode ranks and its
-    ranks' threads outnumber the cores they run on (the decode ranks time-share cores, so two
-    small decode batches cost more than one larger one and buy no parallelism), else 0 (spread
-    by load; with one decode rank there is nothing to choose); a set value stays."""
+    """--decode-pack auto (-1): DECODE_PACK where this launcher starts several decode ranks and its ranks'
+    threads outnumber the cores (decode ranks time-share cores: two small batches cost more than one larger
+    one and buy no parallelism), else 0 (spread by load); a set value stays."""
     if cfg.decode_pack >= 0:
         return cfg
     shared = launch.pd and launch.decode > 1 and not launch.ray and launch.num_ranks * max(1, threads) > cores
@@ -317,7 +316,7 @@ def _pools_for_dtype(engine_cfg, handoff: HandoffConfig, argv: list[str], num_ra
 
     if scale != 1.0 and not given("--hicache-size-gb"):
         engine_cfg = replace(engine_cfg, hicache_size_gb=engine_cfg.hicache_size_gb * scale)
-    engine_cfg = plan_host_cache(engine_cfg, num_ranks, engine_cfg.hicache_size_gb, given("--hicache-size-gb"))
+    engine_cfg = plan_host_cache(engine_cfg, num_ranks, given)
     if scale != 1.0 and not given("--handoff-pool-gb"):
         handoff = replace(handoff, handoff_pool_gb=handoff.handoff_pool_gb * scale)
     return engine_cfg, handoff
@@ -366,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USAGE
-    if not launch.cluster_secret and settings.cluster_secret():
-        launch = replace(launch, cluster_secret=settings.cluster_secret())
+    # No secret given and the ranks are this launcher's: one of this start's (CURVE on every rank socket).
+    secret = launch.cluster_secret or settings.cluster_secret() or (token_urlsafe(32) if launch.num_ranks else "")
+    launch = replace(launch, cluster_secret=secret)
     if launch.cluster_secret:
         os.environ[SECRET_ENV] = launch.cluster_secret  # the ranks' environment, not their argv
     elif not cfg.rank_addr.startswith(("ipc://", "tcp://127.")):

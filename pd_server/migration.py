@@ -64,7 +64,7 @@ class Migrator:
         tokens = list(p.tokens)
         if len(tokens) >= p.msg.sampling.max_tokens:
             return False  # its last event was on the way: nothing left to generate
-        route = RouteRequest(p.msg.prompt_ids + tokens, 1)
+        route = RouteRequest(p.msg.prompt_ids + tokens, 1, cache_salt=p.msg.sampling.cache_salt)
         room = [r for r in live if len(r.inflight) < self.cfg.max_inflight_per_rank]
         target = self.policy.choose(room or live, route)
         for r in others:  # idempotent there (a prefill rank may still pin the dead decode rank's handoff)

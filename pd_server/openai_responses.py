@@ -27,6 +27,7 @@ from pydantic import Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine.sampling_params import MAX_CACHE_SALT
 from pd_server.api_models import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDef, NamedToolChoice,
                                   ResponseFormat, Tool, ToolCall, ToolChoiceFunction, _Model)
 from pd_server.chat import submit_chat
@@ -98,6 +99,7 @@ class ResponsesRequest(_Model):
     store: bool | None = None
     background: bool | None = None
     metadata: dict[str, str] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)  # (vLLM's extension)
     user: str | None = None
 
 
@@ -176,7 +178,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest(model=req.model, messages=messages, max_tokens=req.max_output_tokens,
                                      temperature=req.temperature, top_p=req.top_p, tools=_tools(req),
                                      tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
-                                     response_format=response_format, stream=req.stream)
+                                     response_format=response_format, stream=req.stream,
+                                     cache_salt=req.cache_salt)
     except ValidationError as e:  # the chat model's own checks (a named tool that is not in tools, ...)
         raise bad_request(e.errors()[0]["msg"].removeprefix("Value error, "), "tool_choice") from None
 

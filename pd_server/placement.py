@@ -67,11 +67,12 @@ class Placer:
             return (None if placement.local else prefill), placement, est
         hits: dict[int, tuple[int, int, int]] = {}  # n choices of a prompt share its ids list: look up once
         seqs = []
-        for prompt, _ in work:
+        for prompt, sampling in work:
             h = hits.get(id(prompt))
             if h is None:
-                h = hits[id(prompt)] = (len(prompt), expected_hit_tokens(prefill, prompt),
-                                        expected_hit_tokens(decode, prompt))
+                salt = sampling.cache_salt
+                h = hits[id(prompt)] = (len(prompt), expected_hit_tokens(prefill, prompt, salt),
+                                        expected_hit_tokens(decode, prompt, salt))
             seqs.append(h)
         s, hello = decode.stats, decode.hello
         ctx = s.pages_used * hello.page_size / s.running if s and s.running and hello else float(seqs[0][0])

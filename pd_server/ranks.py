@@ -17,7 +17,7 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass, field
 
-from cluster.protocol import PROTOCOL_VERSION
+from cluster.protocol import PROTOCOL_VERSION, ROLES
 from cluster.protocol.rank_router import Hello, RankStats
 from cluster.protocol.router_rank import Reject, Welcome
 from pd_server.cache_index import RankCacheIndex
@@ -68,6 +68,19 @@ class Rank:
         }
 
 
+def hello_problem(h: Hello) -> str:
+    """What is wrong with a Hello's fields the router later divides or indexes by ("" : nothing)."""
+    if h.role not in ROLES or not 0 <= h.index < 2**16:
+        return f"role {h.role!r} / index {h.index}"
+    if h.page_size < 1 or h.page_size & (h.page_size - 1) or h.page_size > 2**16:
+        return f"page_size {h.page_size}"
+    if h.max_model_len < 2 or h.vocab_size < 1 or h.pages_total < 0:
+        return f"max_model_len {h.max_model_len}, vocab_size {h.vocab_size}, pages_total {h.pages_total}"
+    if len(h.cache_root) not in (0, 16):
+        return f"cache_root of {len(h.cache_root)} bytes"
+    return ""
+
+
 class RankRegistry:
     def __init__(self, model: str) -> None:
         self.model = model  # served name every rank must report
@@ -96,6 +109,9 @@ class RankRegistry:
             return Reject(version_mismatch(hello.protocol_version))
         if hello.model != self.model:
             return Reject(f"rank serves model {hello.model!r}, this router serves {self.model!r}")
+        bad = hello_problem(hello)
+        if bad:
+            return Reject(f"malformed Hello: {bad}")
         name = f"{hello.role}-{hello.index}"
         known = self._by_identity.get(identity)
         if known is not None and known.state == DEAD:  # a hung process woke up after its restart

@@ -26,6 +26,7 @@ class RouteRequest:
     prompt_ids: list[int]
     num_seqs: int  # n: sub-requests that will all go to the chosen rank
     affinity_key: str = ""  # the conversation's first user message (for `affinity`)
+    cache_salt: str = ""  # its prefix-cache salt: only that salt's pages are a hit
 
 
 class RoutingPolicy(ABC):
@@ -80,7 +81,7 @@ class CacheAware(RoutingPolicy):
 def cached_tokens(req: RouteRequest, count) -> Callable[[Rank], int]:
     """rank -> count(its cache index, the prompt's page keys) (0 without a cache); the keys are
     hashed once per namespace (ranks of one model share one)."""
-    keys: dict[tuple[bytes, int], list[bytes]] = {}
+    keys: dict[tuple[bytes, int], list[bytes]] = {}  # (salted with req.cache_salt)
 
     def tokens(r: Rank) -> int:
         c = r.cache
@@ -88,7 +89,7 @@ def cached_tokens(req: RouteRequest, count) -> Callable[[Rank], int]:
             return 0
         ns = (c.root, c.page_size)
         if ns not in keys:
-            keys[ns] = c.keys(req.prompt_ids)
+            keys[ns] = c.keys(req.prompt_ids, req.cache_salt)
         return count(c, keys[ns])
 
     return tokens
@@ -108,9 +109,9 @@ class Affinity(RoutingPolicy):
         return sorted(ranks, key=lambda r: r.index)[h % len(ranks)]
 
 
-def expected_hit_tokens(rank: Rank, prompt_ids: Sequence[int]) -> int:
+def expected_hit_tokens(rank: Rank, prompt_ids: Sequence[int], salt: str = "") -> int:
     """Prompt tokens `rank`'s host cache should serve, as the router's index has it (for logs)."""
-    return rank.cache.expected_hit_tokens(prompt_ids) if rank.cache else 0
+    return rank.cache.expected_hit_tokens(prompt_ids, salt) if rank.cache else 0
 
 
 class RoundRobin(RoutingPolicy):

@@ -61,6 +61,7 @@ def make_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None, s
         logprobs=logprobs,
         min_tokens=req.min_tokens,
         grammar=grammar,
+        cache_salt=req.cache_salt or "",
     )
     try:
         params = SamplingParams(**msgspec.structs.asdict(s))

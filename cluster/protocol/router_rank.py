@@ -57,6 +57,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     prefix_cache: bool = True
     include_stop_str_in_output: bool = False
     grammar: tuple[str, str] | None = None  # (kind, text): engine.grammar.GrammarSpec
+    cache_salt: str = ""  # the prefix cache's tenant salt ("": none)
 
 
 class Generate(msgspec.Struct, frozen=True, array_like=True, tag="generate"):

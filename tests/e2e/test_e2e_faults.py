@@ -272,6 +272,21 @@ def test_cluster_secret_admits_only_ranks_that_hold_it(tmp_path):
         stop_system(system)
 
 
+def test_without_a_given_secret_the_launcher_makes_one_and_a_local_process_cannot_join(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_SECRET"}
+    system = start_system(tmp_path, [*FAKE, "--colocated", "1"], timeout=120)
+    try:
+        addr = system.health()[1]["rank_addr"]
+        out = subprocess.run([sys.executable, "-m", "rank_runtime.fake_rank", "--router-addr", addr, "--index", "5"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 3 and "cluster secret" in out.stderr, out.stderr[-2000:]
+        assert list(system.ranks()) == ["colocated-0"]
+        assert "(CURVE, cluster secret)" in (tmp_path / "router.log").read_text()
+        assert complete(system, {"prompt": "hi", "max_tokens": 3}).status_code == 200
+    finally:
+        stop_system(system)
+
+
 def test_killed_launcher_takes_its_ranks_and_their_shared_memory_along(tmp_path):
     system = start_system(tmp_path, [*REAL, "--colocated", "1", "--kv-cache-gb", "0.05", "--hicache-size-gb", "0.02"],
                           timeout=300)

@@ -2,12 +2,14 @@
 with round-robin routing every turn lands on another rank, yet the second turn of each
 conversation is a hit; in PD mode the decode ranks find the prompt's pages the prefill rank wrote
 to the host cache and pull only the rest (pdserve_handoff_reused_tokens); the greedy text equals
-colocated mode's, and the launcher's stop removes the cache's files.
+colocated mode's, and the launcher's stop removes the cache's files. A request's cache_salt keeps
+its pages to its own salt.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import MODEL, start_system, stop_system
 from test_e2e_kv_store import STORY, chat, metric
@@ -45,6 +47,17 @@ def test_every_rank_of_the_host_hits_what_any_computed_and_decode_pulls_only_the
         ref = two_turns(colocated)
         for a1, c1, a2, c2 in ref:
             assert c2 >= 128, "the other rank served the second turn from the first rank's pages"
+        # A tenant's cache_salt: the unsalted pages are no hit for it, its own pages are, same text.
+        conv = conversations()[0]
+        for expect_hit in (False, True):
+            r = httpx.post(colocated.url + "/v1/chat/completions", timeout=120, json={
+                "model": MODEL, "messages": conv, "max_tokens": 16, "temperature": 0, "cache_salt": "tenant-b"})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == ref[0][0]
+            assert (r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128) == expect_hit
+        r = httpx.post(colocated.url + "/v1/chat/completions", timeout=30,
+                       json={"model": MODEL, "messages": conv, "cache_salt": ""})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
     finally:
         stop_system(colocated)
     assert host_cache_files() == before

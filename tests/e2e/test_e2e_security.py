@@ -130,3 +130,11 @@ def test_anthropic_clients_send_the_key_as_x_api_key(keyed_system):
     resp = httpx.post(keyed_system.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
                       headers={"x-api-key": KEY}, timeout=10)
     assert resp.status_code == 401  # x-api-key is for Anthropic's routes only
+
+
+def test_health_stays_open_but_shows_addresses_and_pids_only_with_the_key(keyed_system):
+    open_ = httpx.get(keyed_system.url + "/health", timeout=10).json()
+    assert open_["status"] == "ok" and "rank_addr" not in open_
+    assert all("pid" not in r and r["state"] == "ready" for r in open_["ranks"])
+    full = httpx.get(keyed_system.url + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert full["rank_addr"].startswith("tcp://127.0.0.1:") and all(r["pid"] > 0 for r in full["ranks"])

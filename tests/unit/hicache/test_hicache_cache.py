@@ -156,3 +156,18 @@ def test_for_engine_sizing(tiny_model_dir):
         cache.close()
     with pytest.raises(ValueError, match="hicache_state_slots"):
         HostCache.for_engine(EngineConfig(model="x", dtype="float32", hicache_size_gb=1e-6), mc, 256)
+
+
+def test_a_cache_salt_isolates_its_pages_from_other_salts_and_from_none(make_cache):
+    cache = make_cache(8)
+    src = device()
+    prompt = tokens(3 * PS)
+    assert cache.store(prompt, src, [1, 2, 3], None, salt="tenant-a") == 3
+    for salt in ("", "tenant-b"):
+        hit = cache.lookup(prompt + [1], salt=salt)
+        assert hit.num_tokens == 0, salt
+        cache.release(hit)
+    hit = cache.lookup(prompt + [1], salt="tenant-a")
+    assert hit.num_tokens == 3 * PS
+    cache.release(hit)
+    assert cache.store(prompt, src, [1, 2, 3], None) == 3, "unsalted: pages of their own"

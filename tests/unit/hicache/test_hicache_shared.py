@@ -202,6 +202,7 @@ def test_the_launcher_names_one_cache_for_the_host_and_sizes_it_from_the_ram(mon
     e, _ = _pools_for_dtype(cfg, HandoffConfig(), [], 4)
     assert e.hicache_shm_name.startswith(f"pdserve-hostcache-{os.getpid()}-")
     assert e.hicache_size_gb == host_plan.default_host_cache_gb(0.5, 4)
+    assert e.hicache_state_slots == 4 * cfg.hicache_state_slots  # the four ranks' states, in one cache
     e, _ = _pools_for_dtype(cfg, HandoffConfig(), ["--hicache-size-gb", "0.25"], 4)
     assert e.hicache_size_gb == 0.25  # given: the host's size as given
     # A dead launcher's files go; a live one's (this process) stay.

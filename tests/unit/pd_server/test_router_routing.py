@@ -1,6 +1,7 @@
 """Routing choices and the rank registry's life cycle (no sockets)."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from cluster.protocol import PROTOCOL_VERSION
@@ -177,6 +178,31 @@ def test_other_namespace_never_hits_and_hybrid_hits_end_at_a_state():
     assert expected_hit_tokens(rank, PROMPT) == 80
     rank.cache.apply([CacheUpdate("state_evicted", [keys[4]])])
     assert expected_hit_tokens(rank, PROMPT) == 48
+
+
+def test_a_salted_request_expects_only_its_salts_pages_and_ranks_of_one_host_cache_share_a_picture():
+    from hicache.index import salted_root
+
+    reg = RankRegistry(MODEL)
+    for i in range(2):  # two ranks of one host cache: one picture, fed by either
+        h = msgspec.structs.replace(hello(i, cache_root=ROOT), cache_group="host|pdserve-hostcache-1-ab")
+        assert isinstance(reg.on_hello(b"g%d" % i, h, 0.0, 0.5), Welcome)
+    r0, r1 = reg.live()
+    assert r0.cache is r1.cache
+    r0.cache.apply([CacheUpdate("page_stored", page_keys(PROMPT, 16, salted_root(ROOT, "a"), 6))])
+    assert [expected_hit_tokens(r1, PROMPT, s) for s in ("", "a", "b")] == [0, 96, 0]
+    assert pick_rank(reg, CacheAware(), RouteRequest(PROMPT, 1, cache_salt="a"), "colocated", 8) in (r0, r1)
+    reg.mark_dead(r0, "gone")
+    assert expected_hit_tokens(r1, PROMPT, "a") == 96, "the other rank's picture stays"
+
+
+@pytest.mark.parametrize("field,value", [("page_size", 0), ("page_size", 24), ("max_model_len", 0),
+                                         ("vocab_size", 0), ("pages_total", -1), ("role", "admin"),
+                                         ("index", -1), ("cache_root", b"x")])
+def test_a_hello_with_a_field_the_router_divides_or_indexes_by_out_of_range_is_refused(field, value):
+    reg = RankRegistry(MODEL)
+    got = reg.on_hello(b"x", msgspec.structs.replace(hello(0, cache_root=ROOT), **{field: value}), 0.0, 0.5)
+    assert isinstance(got, Reject) and "malformed Hello" in got.reason and not reg.ranks
 
 
 def test_dead_rank_drops_its_index_and_decode_ranks_get_one():
