@@ -17,6 +17,7 @@ allocates and touches every page when it creates the pool (start-up time, not st
 """
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -29,6 +30,7 @@ import torch
 
 from engine import hugepages
 
+log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 _ALIGN = 4096
 # cudaHostRegisterPortable | cudaHostRegisterMapped: visible to every context, and
@@ -103,10 +105,33 @@ def _register_cuda(raw: torch.Tensor) -> int:
     return ptr
 
 
-def _populate_in_background(raw: torch.Tensor) -> None:
-    """MADV_POPULATE_WRITE in a daemon thread: it faults pages in without changing their bytes,
-    so stores and loads may run meanwhile (where the kernel lacks it, pages fault on first use)."""
-    threading.Thread(target=hugepages.populate_write, args=(raw,), name="hicache-populate", daemon=True).start()
+def _allocate_in_background(path: Path, nbytes: int) -> None:
+    """posix_fallocate of a shared pool's file in a daemon thread: the tmpfs pages exist (zeroed)
+    without a start-up wait, and stores and loads may run meanwhile (it leaves written bytes be).
+
+    NOTE: not MADV_POPULATE_WRITE in a thread: UCX (under NIXL) patches libc's madvise in place
+    when its first agent starts, and a rank whose thread was inside madvise then died of SIGSEGV
+    (2P2D with a 2.3 GB host cache). Each process's first touch of a page is a minor fault."""
+
+    import ctypes
+
+    def run() -> None:
+        # fallocate(2) itself: glibc's posix_fallocate emulates it where unsupported by writing
+        # zero bytes, which would race with stores.
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            if libc.fallocate(fd, 0, 0, nbytes) != 0:  # (free space was checked at create)
+                log.warning("host cache %s: cannot allocate its %d bytes (errno %d); pages are allocated as used",
+                            path, nbytes, ctypes.get_errno())
+        finally:
+            os.close(fd)
+
+    threading.Thread(target=run, name="hicache-allocate", daemon=True).start()
 
 
 class HostPool:
@@ -136,8 +161,8 @@ class HostPool:
     def create(cls, layout: HostPoolLayout, pin_cuda: bool = False, owner: bool = True,
                populate: str = "now") -> "HostPool":
         """`owner`: this object unlinks the file on close (False: a shared pool, hicache/shared_index.py,
-        unlinked by its last client). `populate`: "now" faults every page in before returning,
-        "background" in a daemon thread (only where the kernel does it without writing)."""
+        unlinked by its last client). `populate`: "now" allocates and faults every page in before
+        returning; "background" allocates them in a daemon thread (_allocate_in_background)."""
         fd = os.open(layout.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, layout.total_bytes)
@@ -163,7 +188,7 @@ class HostPool:
             # 33 pages: 18 ms -> 1.1 ms). One madvise where the kernel has it (fallocate left the
             # pages zero), else a write to each page (0.25 GB took ~0.3 s here at start-up).
             if populate == "background":
-                _populate_in_background(raw)
+                _allocate_in_background(layout.path, layout.total_bytes)
             elif not hugepages.populate_write(raw):
                 raw.zero_()
             ptr = _register_cuda(raw) if pin_cuda else None
@@ -173,16 +198,13 @@ class HostPool:
         return cls(layout, raw, owner=owner, registered_ptr=ptr)
 
     @classmethod
-    def attach(cls, layout: HostPoolLayout, pin_cuda: bool = False, populate: str = "") -> "HostPool":
+    def attach(cls, layout: HostPoolLayout, pin_cuda: bool = False) -> "HostPool":
         """Map an existing pool (same bytes). Only a shared index (hicache/shared_index.py) may
-        allocate from it then. `populate="background"` faults its pages into this process in a
-        daemon thread."""
+        allocate from it then."""
         size = layout.path.stat().st_size
         if size != layout.total_bytes:
             raise ValueError(f"{layout.path} has {size} bytes, the layout says {layout.total_bytes}")
         raw = torch.from_file(str(layout.path), shared=True, size=layout.total_bytes, dtype=torch.uint8)
-        if populate == "background":
-            _populate_in_background(raw)
         return cls(layout, raw, owner=False, registered_ptr=_register_cuda(raw) if pin_cuda else None)
 
     def close(self) -> None:

@@ -148,7 +148,7 @@ def attach_or_create(layout: HostPoolLayout, root: bytes, page_size: int,
             t.header[_HEADER // 8 - 2:] = np.frombuffer(root, np.int64)
             t.header[:len(want)] = want  # magic last of all: a header is whole or absent
         else:
-            pool = HostPool.attach(layout, pin_cuda=pin_cuda, populate="background")
+            pool = HostPool.attach(layout, pin_cuda=pin_cuda)
             buf = mmap.mmap(fd, nbytes)
         index = SharedIndex(path, fd, buf, layout, root, page_size)
     except BaseException:
