@@ -54,6 +54,19 @@ def cache_dir() -> Path:
     return Path(_get(CACHE_DIR) or Path.home() / ".cache" / "pdserve")
 
 
+def private_dir(path: Path) -> Path:
+    """`path`, made (mode 0700) where missing; RuntimeError unless it is a directory this user
+    owns that no one else may write to: code and weights are loaded from it."""
+    import stat
+
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(f"{path} is not a directory of this user's that only it may write to (owner uid "
+                           f"{st.st_uid}, mode {stat.filemode(st.st_mode)}): refusing to load from it")
+    return path
+
+
 def step_log_dir() -> Path | None:
     """$PDSERVE_STEP_LOG as a directory, or None when unset."""
     v = _get(STEP_LOG)

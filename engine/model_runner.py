@@ -99,6 +99,7 @@ class ModelRunner:
         if not rows:
             return rows, None
         logits = self.model.compute_logits(hidden)  # [S, V] float32
+        self._add_logit_bias(rows, logits)
         self._mask_early_stop(rows, logits)
         if masks is not None:
             apply_bitmask(logits, masks.result())
@@ -115,6 +116,15 @@ class ModelRunner:
         if self._grammar_pool is None:
             self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         return self._grammar_pool
+
+    @staticmethod
+    def _add_logit_bias(rows: list[Sequence], logits: torch.Tensor) -> None:
+        """OpenAI's logit_bias, before everything the sampler does (and the logprobs it reports)."""
+        at = [(i, t, b) for i, seq in enumerate(rows) for t, b in seq.params.logit_bias]
+        if at:
+            r, t, b = zip(*at)
+            logits.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(b, dtype=logits.dtype).to(logits.device),
+                              accumulate=True)
 
     def _mask_early_stop(self, rows: list[Sequence], logits: torch.Tensor) -> None:
         """min_tokens: stop tokens cannot be sampled before a row has min_tokens outputs (not

@@ -7,6 +7,7 @@ from engine.grammar import GrammarSpec
 
 
 MAX_CACHE_SALT = 1024  # characters of a cache_salt
+MAX_LOGIT_BIAS = 1024  # tokens a logit_bias names (OpenAI takes 300)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class SamplingParams:
     # The tenant's salt (vLLM's and SGLang's cache_salt): folded into the page keys, so a prompt is a
     # prefix-cache hit only for requests of the same salt (hicache.index.salted_root). "": none.
     cache_salt: str = ""
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first of all.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     include_stop_str_in_output: bool = False
     grammar: GrammarSpec | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -56,6 +59,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         object.__setattr__(self, "grammar", GrammarSpec.coerce(self.grammar))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
@@ -81,21 +85,25 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):  # (also NaN)
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
             raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
 
-    def token_ids(self) -> tuple[int, ...]:
-        """Every token id this request carries outside its prompt (the fields the sampler uses
-        as indices into the logits). Admission checks them against the vocabulary: an id out of
-        range is the request's error, never its step's."""
-        return self.stop_token_ids
+    def token_ids(self) -> dict[str, tuple[int, ...]]:
+        """Every token id this request carries outside its prompt, by field (the fields the
+        sampler uses as indices into the logits). Admission checks them against the vocabulary:
+        an id out of range is the request's error, never its step's."""
+        return {"stop_token_ids": self.stop_token_ids, "logit_bias": tuple(t for t, _ in self.logit_bias)}
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raises ValueError naming the first id outside [0, vocab_size)."""
-        for t in self.token_ids():
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"stop_token_ids: token id {t} is outside this model's vocabulary "
-                                 f"[0, {vocab_size})")
+        """Raises ValueError naming the field and the first id outside [0, vocab_size)."""
+        for name, ids in self.token_ids().items():
+            for t in ids:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"{name}: token id {t} is outside this model's vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:

@@ -300,10 +300,11 @@ def share_weights(model: nn.Module, directory: str | Path, identity: str,
     path = Path(directory) / f"{PREFIX}{key}.bin"
     loaded = load is None
     try:
+        settings.private_dir(Path(directory))  # another user's (or one others may write to) is refused
         # One writer: ranks that start together would otherwise each load, pack and write; they
         # wait here for the first one instead and map what it wrote.
         lock = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o600)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
         log.warning("shared weights: cannot use %s (%s); this rank keeps its own copy", path, e)
         lock = None
     got = None

@@ -9,6 +9,9 @@ flags and the torch version, and, for `-march=native` builds, the CPU model and
 feature flags (such code is only valid where they match): an edit, an upgrade or
 another machine rebuilds; later processes load the cached library.
 
+The cache's directories are 0700 and refused when another user owns them or may write to them,
+and a library whose bytes no longer match the hash recorded at its build is built again.
+
 Processes that start together (the ranks) build once: the first takes an flock on the
 directory, the others wait for it and load what it built. torch's own build lock is a plain
 file that a process killed mid-build leaves behind, and every later load would wait on it
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -27,6 +31,8 @@ from pathlib import Path
 import torch
 
 from cluster import settings
+
+log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
@@ -52,6 +58,36 @@ def cpu_id() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in keep}))
 
 
+def _build_dir(name: str) -> Path:
+    """The cache's directory for one library: made 0700, refused when another user owns it (or its
+    `kernels` parent) or may write to it (settings.private_dir)."""
+    return settings.private_dir(settings.private_dir(settings.cache_dir() / "kernels") / name)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_recorded(library: Path) -> None:
+    """A cached library whose bytes differ from the hash recorded when it was built is removed
+    (with its objects), so it is built again rather than loaded. (Held under the directory's flock.)"""
+    record = library.with_name(library.name + ".sha256")
+    if library.exists() and record.exists() and record.read_text().strip() != _sha256(library):
+        log.warning("%s does not match the hash recorded at its build: building it again", library)
+        for f in library.parent.iterdir():
+            if f.name != "pdserve.flock" and f.is_file():
+                f.unlink()
+
+
+def _record(library: Path) -> None:
+    """Record the hash of a library just built or loaded for the first time (older caches had none)."""
+    record = library.with_name(library.name + ".sha256")
+    if library.exists() and not record.exists():
+        tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+        tmp.write_text(_sha256(library))
+        tmp.replace(record)
+
+
 def load_kernel(who: str, variant: str, sources: Sequence[str], cflags: Sequence[str],
                 ldflags: Sequence[str] = ("-fopenmp",), headers: Sequence[str] = (),
                 cuda_cflags: Sequence[str] = ()) -> None:
@@ -75,11 +111,12 @@ def load_kernel(who: str, variant: str, sources: Sequence[str], cflags: Sequence
         digest.update(b"\0" + part.encode())
     if "-march=native" in cflags:
         digest.update(b"\0" + cpu_id().encode())
-    build_dir = settings.cache_dir() / "kernels" / f"{variant}-{digest.hexdigest()[:12]}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = _build_dir(f"{variant}-{digest.hexdigest()[:12]}")
     with open(build_dir / "pdserve.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # released when this process exits, however it exits
         (build_dir / "lock").unlink(missing_ok=True)  # torch's, left by a build that was killed
+        library = build_dir / f"pdserve_{variant}.so"
+        _check_recorded(library)
         cpp_extension.load(
             name=f"pdserve_{variant}",
             sources=[str(CSRC / rel) for rel in sources],
@@ -90,6 +127,7 @@ def load_kernel(who: str, variant: str, sources: Sequence[str], cflags: Sequence
             build_directory=str(build_dir),
             is_python_module=False,  # the library registers its ops in torch.ops.pdserve
         )
+        _record(library)
 
 
 def load_c_module(name: str, source: str, cflags: Sequence[str] = ("-O2",)):
@@ -105,11 +143,11 @@ def load_c_module(name: str, source: str, cflags: Sequence[str] = ("-O2",)):
 
     src = CSRC / source
     digest = hashlib.sha256(src.read_bytes() + b"\0" + " ".join(cflags).encode() + b"\0" + sys.version.encode())
-    build_dir = settings.cache_dir() / "kernels" / f"{name}-{digest.hexdigest()[:12]}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = _build_dir(f"{name}-{digest.hexdigest()[:12]}")
     path = build_dir / f"{name}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
     with open(build_dir / "pdserve.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
+        _check_recorded(path)
         if not path.exists():
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
@@ -122,6 +160,7 @@ def load_c_module(name: str, source: str, cflags: Sequence[str] = ("-O2",)):
                 detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[-300:]
                 raise RuntimeError(f"cannot build {source} ({e} {detail})") from e
             tmp.replace(path)
+        _record(path)
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
     module = importlib.util.module_from_spec(spec)

@@ -64,7 +64,7 @@ class SamplingRequest(_Model):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: token ids in each choice
     # vLLM/SGLang: a tenant's salt for the prefix cache (its prompts hit only its own pages)
@@ -77,8 +77,6 @@ class SamplingRequest(_Model):
 
     @model_validator(mode="after")
     def _check_shared(self):
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if any(not s for s in self.stop_list):
             raise ValueError("stop strings must be non-empty")
         return self

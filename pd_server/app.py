@@ -36,7 +36,8 @@ from pd_server.chat import create_chat_completion
 from pd_server.completions import create_completion
 from pd_server.errors import APIError, error_json
 from pd_server.limits import check_chat, check_completion
-from pd_server.openai_responses import ResponsesRequest, create_response, to_chat
+from pd_server.openai_responses import ResponsesRequest, create_response, to_chat, with_previous
+from pd_server.response_store import ResponseStore
 from pd_server.ranks import READY
 from pd_server.responses import ModelCard, ModelList, to_json
 from pd_server.security import RequestGuard, api_key, key_matches
@@ -103,6 +104,9 @@ def build_app(ctx: ServerContext):
     directly (sse_response.with_server_send)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
+    if ctx.responses is None:
+        c = ctx.cfg
+        ctx.responses = ResponseStore(c.responses_max_count, int(c.responses_max_mb * 2**20), c.responses_ttl_s)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -131,9 +135,33 @@ def build_app(ctx: ServerContext):
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request):
+        req, items = with_previous(req, ctx.responses)
         chat_req = to_chat(req)
         check_chat(chat_req, ctx.cfg)
-        return await create_response(req, chat_req, request, ctx)
+        return await create_response(req, chat_req, request, ctx, items)
+
+    def stored(rid: str):
+        s = ctx.responses.get(rid)
+        if s is None:
+            raise APIError(404, f"Response with id {rid!r} not found.", param="response_id")
+        return s
+
+    @app.get("/v1/responses/{rid}")
+    async def get_response(rid: str):
+        return Response(to_json(stored(rid).response), media_type=JSON)
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def response_input_items(rid: str):
+        items = stored(rid).input_items
+        return Response(to_json({"object": "list", "data": items, "has_more": False,
+                                 "first_id": items[0].get("id") if items else None,
+                                 "last_id": items[-1].get("id") if items else None}), media_type=JSON)
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str):
+        stored(rid)
+        ctx.responses.delete(rid)
+        return Response(to_json({"id": rid, "object": "response", "deleted": True}), media_type=JSON)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -63,6 +63,12 @@ class RouterConfig:
                                          "tool_choice required or named) must compile within this many "
                                          "seconds; else 400")
     max_prompts: int = opt(128, "prompts in one /v1/completions request; past it: 400")
+    # ---- stored Responses (response_store.py) ----
+    responses_max_count: int = opt(10000, "Responses API: responses kept for previous_response_id and GET "
+                                          "(least recently used out first; 0 stores none)")
+    responses_max_mb: float = opt(256.0, "Responses API: MiB of stored responses and their input items at most")
+    responses_ttl_s: float = opt(3600.0, "Responses API: a stored response expires this many seconds after it "
+                                         "was stored")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -79,7 +85,9 @@ class RouterConfig:
             raise ValueError(f"decode_pack must be >= -1, got {self.decode_pack}")
         if self.disagg not in DISAGG_MODES:
             raise ValueError(f"disagg must be one of {DISAGG_MODES}, got {self.disagg!r}")
-        for name in ("body_timeout_s", "header_timeout_s", "grammar_timeout_s", "keep_alive_s"):
+        if self.responses_max_count < 0 or self.responses_max_mb < 0:
+            raise ValueError("responses_max_count and responses_max_mb must be >= 0")
+        for name in ("body_timeout_s", "header_timeout_s", "grammar_timeout_s", "keep_alive_s", "responses_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_body_bytes", "max_messages", "max_tokens_limit", "max_n", "max_stop", "max_stop_chars",

@@ -244,7 +244,7 @@ class Dispatcher:
             return
         rank.last_seen = now
         if isinstance(msg, TokenBatch):
-            self._on_tokens(msg.events)
+            self._on_tokens(msg.events, rank)
         elif isinstance(msg, RankStats):
             self._on_stats(rank, msg)
         elif isinstance(msg, CacheEvents):
@@ -269,13 +269,13 @@ class Dispatcher:
         except zmq.ZMQError:
             pass
 
-    def _on_tokens(self, events: list[TokenEvent]) -> None:
+    def _on_tokens(self, events: list[TokenEvent], rank: Rank | None = None) -> None:
         now = time.perf_counter()
         itl: list[float] = []
         for ev in events:
             p = self.pending.get(ev.request_id)
-            if p is None:
-                continue  # aborted; the rank had not heard yet
+            if p is None or (rank is not None and rank is not p.rank and rank is not p.decode):
+                continue  # aborted (the rank had not heard yet), or from a rank that does not hold it
             offset = ev.completion_tokens - len(ev.token_ids)
             if offset > p.received and p.decode is not None:
                 p.early[offset] = ev  # overtook the prefill rank's first token

@@ -170,9 +170,7 @@ def make_weights_dir() -> Path:
     from engine.shared_weights import PREFIX
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     remove_stale_launcher_paths(shm, PREFIX)
-    d = shm / f"{PREFIX}{os.getpid()}"
-    d.mkdir(mode=0o700, exist_ok=True)
-    return d
+    return settings.private_dir(shm / f"{PREFIX}{os.getpid()}")  # (0700; another user's is refused)
 
 
 def shared_weights_config(engine_cfg, launch: LaunchConfig):

@@ -5,8 +5,10 @@
      system/developer items -> system messages; message items -> messages (input_text /
      output_text parts joined); a function_call item -> an assistant message's tool call
      (consecutive calls join one message); a function_call_output item -> a tool message,
-     which must answer an earlier call; reasoning items are skipped. Images, files, hosted tools
-     (web_search, ...) and previous_response_id (nothing is stored) are 400s naming the item.
+     which must answer an earlier call; reasoning items are skipped. Images, files and hosted
+     tools (web_search, ...) are 400s naming the item. With previous_response_id the stored
+     chain's input and output items come first (`with_previous`, response_store.py; an unknown
+     or expired id is a 404).
   2. chat.submit_chat renders, checks, compiles any grammar (text.format json_schema /
      json_object, tool_choice required or named: structured.py) and submits it: the same
      routing, limits, API key and metrics as chat completions, in PD and colocated mode.
@@ -14,7 +16,8 @@
      function_call item per tool call (tool_parser.py reads them from the text, as chat does);
      status "incomplete" with reason max_output_tokens when the length ran out. Streaming
      (openai_responses_stream.py) sends response.created ... response.output_text.delta ...
-     response.completed, with the same items.
+     response.completed, with the same items. With `store` (default true) the finished
+     response is kept (response_store.py) for GET /v1/responses/{id} and later turns.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from engine.sampling_params import MAX_CACHE_SALT
 from pd_server.api_models import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDef, NamedToolChoice,
                                   ResponseFormat, Tool, ToolCall, ToolChoiceFunction, _Model)
 from pd_server.chat import submit_chat
-from pd_server.errors import bad_request
+from pd_server.errors import APIError, bad_request
 from pd_server.serving import Choice, ServerContext, collect
 from pd_server.sse_response import SSEStream
 from pd_server.tool_parser import ParsedToolCall, parse_tool_calls
@@ -126,11 +129,31 @@ def _tools(req: ResponsesRequest) -> list[Tool] | None:
     return out
 
 
+def own_items(req: ResponsesRequest) -> list[dict]:
+    """The request's input as stored items."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return [it.model_dump(exclude_none=True) for it in req.input]
+
+
+def with_previous(req: ResponsesRequest, store) -> tuple[ResponsesRequest, list[dict]]:
+    """(the request with the conversation so far in its input, that conversation's items): with
+    previous_response_id, the stored chain's input items and the previous response's output items
+    before the request's own (its instructions are not carried, as OpenAI defines). Raises a 404
+    for an id the store does not hold (unknown, deleted, evicted or expired)."""
+    items = own_items(req)
+    if req.previous_response_id is None:
+        return req, items
+    prev = store.get(req.previous_response_id)
+    if prev is None:
+        raise APIError(404, f"Previous response with id {req.previous_response_id!r} not found.",
+                       param="previous_response_id")
+    items = [*prev.input_items, *prev.response["output"], *items]
+    return req.model_copy(update={"input": [InputItem.model_validate(it) for it in items]}), items
+
+
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request `req` stands for (step 1). Raises a 400 naming what is unsupported."""
-    if req.previous_response_id is not None:
-        raise bad_request("previous_response_id is not supported: this server stores no responses; "
-                          "send the whole conversation in input", "previous_response_id")
     if req.background:
         raise bad_request("background responses are not supported", "background")
     messages: list[ChatMessage] = []
@@ -220,19 +243,26 @@ def response_object(rid: str, created: float, model: str, req: ResponsesRequest,
             "top_p": req.top_p, "tool_choice": choice,
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
             "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True)},
-            "previous_response_id": None, "store": False, "truncation": "disabled",
+            "previous_response_id": req.previous_response_id, "store": req.store is not False,
+            "truncation": "disabled",
             "metadata": req.metadata or {}, "usage": usage}
 
 
 async def create_response(req: ResponsesRequest, chat_req: ChatCompletionRequest, request: Request,
-                          ctx: ServerContext) -> Response:
-    """Steps 2-3 for `req`, whose to_chat() is `chat_req` (checked against the limits by the app)."""
+                          ctx: ServerContext, items: list[dict]) -> Response:
+    """Steps 2-3 for `req`, whose to_chat() is `chat_req` (checked against the limits by the app);
+    `items`: the conversation's input items (with_previous), stored with the response."""
     from pd_server.openai_responses_stream import ResponsesStream  # (it imports this module)
 
     sub = await submit_chat(chat_req, ctx, prefix="resp")
     rid = sub.rid.replace("resp-", "resp_", 1)
+
+    def keep(body: dict) -> None:
+        if req.store is not False:
+            ctx.responses.put(rid, body, items)
+
     if req.stream:
-        return SSEStream(sub.handle, ResponsesStream(ctx, req, sub.chat, rid), sub.headers)
+        return SSEStream(sub.handle, ResponsesStream(ctx, req, sub.chat, rid, keep), sub.headers)
     created = time.time()
     c = (await collect(sub.handle, request.receive))[0]
     text = "".join(c.text)
@@ -243,4 +273,5 @@ async def create_response(req: ResponsesRequest, chat_req: ChatCompletionRequest
     output = ([message_item(new_id("msg"), text)] if text else []) + [call_item(k) for k in calls]
     status = "incomplete" if c.finish_reason == "length" and not calls else "completed"
     body = response_object(rid, created, ctx.model_name, req, output, status, usage_of(c))
+    keep(body)
     return Response(msgspec.json.encode(body), media_type=JSON, headers=sub.headers)

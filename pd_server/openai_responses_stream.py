@@ -31,8 +31,10 @@ _encode = msgspec.json.Encoder().encode
 class ResponsesStream:
     done = b""
 
-    def __init__(self, ctx: ServerContext, req: ResponsesRequest, chat: RenderedChat, rid: str) -> None:
+    def __init__(self, ctx: ServerContext, req: ResponsesRequest, chat: RenderedChat, rid: str,
+                 keep=None) -> None:
         self.req, self.rid, self.model = req, rid, ctx.model_name
+        self.keep = keep  # called with the finished response (the store)
         self.created = time.time()
         self.parser = ToolCallParser(chat.tool_names, chat.forced_prefix) if chat.tool_names is not None else None
         self.choice = Choice()
@@ -112,6 +114,8 @@ class ResponsesStream:
         c = self.choice
         status = "incomplete" if c.finish_reason == "length" and not self.calls else "completed"
         r = response_object(self.rid, self.created, self.model, self.req, self.output, status, usage_of(c))
+        if self.keep is not None:
+            self.keep(r)
         return self._event(f"response.{status}", response=r)
 
     def error(self, err: APIError) -> bytes:

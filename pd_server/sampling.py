@@ -45,6 +45,7 @@ def make_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None, s
     yet the request as a whole reproduces). Raises a 400 naming the field on bad values, and
     on any token id outside [0, vocab_size) (SamplingParams.token_ids: the ranks check again)."""
     seed = None if req.seed is None else (req.seed + seed_offset) % 2**63
+    bias = logit_bias(req.logit_bias)
     s = Sampling(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -62,6 +63,7 @@ def make_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None, s
         min_tokens=req.min_tokens,
         grammar=grammar,
         cache_salt=req.cache_salt or "",
+        logit_bias=bias,
     )
     try:
         params = SamplingParams(**msgspec.structs.asdict(s))
@@ -70,5 +72,21 @@ def make_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None, s
     try:
         params.check_vocab(vocab_size)
     except ValueError as e:
-        raise bad_request(str(e), "stop_token_ids") from None
+        raise bad_request(str(e), str(e).split(":")[0]) from None
     return s
+
+
+def logit_bias(given: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; a 400 naming logit_bias for a key that is
+    not an integer or a bias outside [-100, 100] (ids are checked against the vocabulary later)."""
+    out = []
+    for key, bias in (given or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids (integers), got {key!r}", "logit_bias") from None
+        if not -100.0 <= bias <= 100.0:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {bias!r} for token {key}",
+                              "logit_bias")
+        out.append((token, float(bias)))
+    return tuple(out)

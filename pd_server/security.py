@@ -4,7 +4,9 @@ Every HTTP request passes these steps before any route sees it:
   1. Key: with an API key set (--api-key, else $PDSERVE_API_KEY), /v1/*, /tokenize and /detokenize need
      `Authorization: Bearer <key>` (Anthropic's routes, /v1/messages...: or `x-api-key: <key>`,
      as Anthropic's clients send it), compared in constant time; otherwise 401
-     (code "invalid_api_key"). /health and /metrics stay open for probes and scrapers.
+     (code "invalid_api_key"). /health and /metrics stay open for probes and scrapers; a body
+     sent to any path that needs no key is then a 413 before a byte of it is read (no one
+     without the key makes the router buffer anything).
   2. Declared size: a Content-Length over --max-body-bytes is a 413 before a byte of the
      body is read.
   3. Body: read here, whole, under one deadline of --body-timeout-s from the headers. A
@@ -87,6 +89,9 @@ class RequestGuard:
                                     ((b"www-authenticate", b"Bearer"),), path)
         limit = self.cfg.max_body_bytes
         declared = headers.get(b"content-length")
+        if self.key and not protected(path) and (declared not in (None, b"0") or b"transfer-encoding" in headers):
+            return await send_error(send, APIError(413, f"{path} takes no request body", code="body_not_allowed"),
+                                    path=path)
         if declared is not None:
             if not declared.isdigit():
                 return await send_error(send, APIError(400, "invalid Content-Length header"), path=path)

@@ -40,6 +40,7 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
     _grammars: object = None  # engine.grammar.GrammarCompiler, made on the first structured request
+    responses: object = None  # response_store.ResponseStore (build_app makes it from cfg)
     # Request-sized work (rendering, tokenizing, large response bodies) runs here, never on the
     # event loop: the loop also carries every stream's tokens and the ranks' heartbeats, and a
     # rank whose router is silent for 5 s exits. Bounded: at most this many run at once.

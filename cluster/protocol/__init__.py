@@ -34,7 +34,7 @@ from typing import Literal
 # handoff leases). 7: Hello.node (the rank's host, for /health). 8: RankStats' L3 counters
 # (kv_store_hit_tokens, kv_store_read_bytes, kv_store_written_bytes) and handoff counters
 # (handoff_pulled_tokens, handoff_reused_tokens: a decode rank reads only what it lacks).
-# 9 added Hello.cache_group (ranks sharing one host cache) and Sampling.cache_salt.
+# 9 added Hello.cache_group (ranks sharing one host cache), Sampling.cache_salt and Sampling.logit_bias.
 PROTOCOL_VERSION = 9
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (cluster/auth.py).

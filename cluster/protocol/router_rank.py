@@ -58,6 +58,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     include_stop_str_in_output: bool = False
     grammar: tuple[str, str] | None = None  # (kind, text): engine.grammar.GrammarSpec
     cache_salt: str = ""  # the prefix cache's tenant salt ("": none)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
 
 
 class Generate(msgspec.Struct, frozen=True, array_like=True, tag="generate"):

@@ -109,6 +109,23 @@ def test_pd_equals_colocated_under_a_grammar(colocated_system, pd_handoff_system
                [(k.function.name, k.function.arguments) for k in b.tool_calls or ()]
 
 
+def test_logit_bias_is_the_same_in_pd_and_colocated_and_a_bad_id_is_400(colocated_system, pd_handoff_system):
+    """+100 on one token makes it every greedy token, the first (sampled on the prefill rank) and
+    the rest (on the decode rank); -100 on it in a second request bans it."""
+    body = dict(model=MODEL, messages=ASK, max_tokens=4, temperature=0, logit_bias={"1000": 100},
+                extra_body={"return_token_ids": True})
+    for system in (colocated_system, pd_handoff_system):
+        assert _client(system).chat.completions.create(**body).choices[0].token_ids == [1000] * 4
+    plain = _client(colocated_system).chat.completions.create(**{**body, "logit_bias": None})
+    first = plain.choices[0].token_ids[0]
+    for system in (colocated_system, pd_handoff_system):
+        got = _client(system).chat.completions.create(**{**body, "logit_bias": {str(first): -100}})
+        assert got.choices[0].token_ids[0] != first
+        with pytest.raises(openai.BadRequestError) as e:
+            _client(system).chat.completions.create(**{**body, "logit_bias": {"49152": 1}})
+        assert e.value.body["param"] == "logit_bias"
+
+
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_forced_tool_calls(system, choice):
     c = _client(system)
@@ -215,10 +232,40 @@ def test_responses_function_call_round_trip(system):
     _validate(json.loads(r3.output_text), SCHEMA)
 
 
+def test_previous_response_id_continues_a_stored_conversation(system):
+    """The second turn sees the first (its prompt holds the history, which the host cache serves),
+    streamed or not; GET returns the stored response, DELETE removes it, a gone id is a 404."""
+    c = _client(system)
+    kw = dict(model=MODEL, max_output_tokens=12, temperature=0)
+    r1 = c.responses.create(input="My name is Ada. Remember it.", instructions="You are terse.", **kw)
+    assert r1.store is True
+    r2 = c.responses.create(input="What is my name?", previous_response_id=r1.id, **kw)
+    assert r2.previous_response_id == r1.id
+    chat = c.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "user", "content": "My name is Ada. Remember it."}, {"role": "assistant", "content": r1.output_text},
+        {"role": "user", "content": "What is my name?"}])
+    assert r2.output_text == chat.choices[0].message.content  # the same conversation underneath
+    assert r2.usage.input_tokens == chat.usage.prompt_tokens and r2.usage.input_tokens_details.cached_tokens > 0
+    events = list(c.responses.create(input="What is my name?", previous_response_id=r1.id, stream=True, **kw))
+    assert events[-1].response.output_text == r2.output_text
+    r3 = c.responses.create(input="And again?", previous_response_id=events[-1].response.id, **kw)
+    assert r3.usage.input_tokens > r2.usage.input_tokens
+    assert c.responses.retrieve(r2.id).output_text == r2.output_text
+    items = c.responses.input_items.list(r3.id).data
+    assert len(items) == 5 and items[0].type == "message"  # 3 user turns, 2 answers (the stream's)
+    c.responses.delete(r1.id)
+    for call in (lambda: c.responses.retrieve(r1.id),
+                 lambda: c.responses.create(input="x", previous_response_id=r1.id, **kw)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    unstored = c.responses.create(input="hi", store=False, **kw)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(unstored.id)
+
+
 @pytest.mark.parametrize("body, match", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input_image parts are not supported"),
-    ({"input": "hi", "previous_response_id": "resp_1"}, "stores no responses"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "answers no earlier"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
     ({"input": "hi", "tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "not in tools"),

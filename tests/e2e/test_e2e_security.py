@@ -117,6 +117,15 @@ def test_body_over_the_limit_is_413_and_under_it_serves(keyed_system):
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
 
 
+def test_with_a_key_a_path_that_needs_none_takes_no_body(keyed_system):
+    for path in ("/health", "/metrics", "/nothing-here"):
+        resp = httpx.post(keyed_system.url + path, content=b"x" * 5000, timeout=10)
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "body_not_allowed", (path, resp.text)
+        resp = httpx.post(keyed_system.url + path, content=iter([b"x" * 100]), timeout=10)  # chunked
+        assert resp.status_code == 413, path
+    assert httpx.get(keyed_system.url + "/health", timeout=10).status_code == 200
+
+
 def test_anthropic_clients_send_the_key_as_x_api_key(keyed_system):
     for wrong in ("wrong", KEY + "x"):
         with anthropic.Anthropic(base_url=keyed_system.url, api_key=wrong, max_retries=0, timeout=30) as c, \

@@ -192,6 +192,30 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_admission(tiny_model_di
     assert len(alone.new_token_ids) == 4 and eng.pool.used_pages == 0
 
 
+def test_logit_bias_moves_the_logits_before_sampling_and_logprobs_and_bad_ids_are_refused(tiny_model_dir):
+    """+100 forces a token under greedy and beats a penalty; -100 removes the greedy choice;
+    logprobs are of the biased logits (as OpenAI reports them); the row beside is untouched."""
+    path = tiny_model_dir("llama")
+    eng = _engine(path)
+    prompt = _prompts((9,))[0]
+    plain = eng.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2))[0]
+    first = plain.new_token_ids[0]
+    forced = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2, logit_bias=((7, 100.0),),
+                            repetition_penalty=1.5)
+    banned = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logit_bias=((first, -100.0),))
+    outs = eng.generate([prompt, prompt, prompt], [forced, banned, GREEDY])
+    assert outs[0].new_token_ids == [7, 7, 7] and outs[0].logprobs[0].top[0][0] == 7
+    assert outs[0].logprobs[0].logprob > -1e-3  # after the bias the token holds ~all the mass
+    assert outs[1].new_token_ids[0] != first
+    assert outs[2].new_token_ids[:3] == plain.new_token_ids
+    v = eng.model_cfg.vocab_size
+    with pytest.raises(ValueError, match="logit_bias: token id"):
+        eng.add_request("bad", prompt, SamplingParams(max_tokens=2, logit_bias=((v, 1.0),)))
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(max_tokens=2, logit_bias=((1, float("nan")),))
+    assert eng.pool.used_pages == 0
+
+
 def test_length_finish_at_context_end(tiny_model_dir):
     eng = _engine(tiny_model_dir("llama"), max_model_len=20)
     out = eng.generate([[5] * 15], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]

@@ -57,3 +57,22 @@ def test_a_second_loader_waits_for_the_build_in_progress(seen):
     # Free again: no wait.
     with open(build_dir / "pdserve.flock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_the_cache_is_private_and_a_library_changed_after_its_build_is_built_again(seen, tmp_path):
+    build_dir = seen[0][0]
+    assert (build_dir.stat().st_mode & 0o777, (tmp_path / "kernels").stat().st_mode & 0o777) == (0o700, 0o700)
+    lib = build_dir / "pdserve_activation_cpu.so"
+    lib.write_bytes(b"built")  # (the faked build made none)
+    (build_dir / "kernel.o").write_bytes(b"obj")
+    jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))
+    record = build_dir / "pdserve_activation_cpu.so.sha256"
+    assert record.exists()  # a library without a record gets one (trust on first load)
+    jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))
+    assert lib.exists()  # it matches: loaded as it is
+    lib.write_bytes(b"tampered")
+    jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))
+    assert not lib.exists() and not (build_dir / "kernel.o").exists()  # removed: the build runs again
+    build_dir.chmod(0o777)
+    with pytest.raises(RuntimeError, match="refusing to load"):
+        jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))

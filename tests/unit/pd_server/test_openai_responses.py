@@ -43,7 +43,6 @@ def test_items_calls_and_outputs():
 
 @pytest.mark.parametrize("kw, match", [
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input_file"),
-    ({"input": "x", "previous_response_id": "r"}, "stores no responses"),
     ({"input": "x", "background": True}, "background"),
     ({"input": [{"type": "function_call_output", "call_id": "z", "output": "o"}]}, "answers no earlier"),
     ({"input": [{"type": "computer_call"}]}, "computer_call items"),
@@ -57,6 +56,46 @@ def test_unsupported_input_is_400(kw, match):
     with pytest.raises(APIError, match=match) as e:
         _chat(**kw)
     assert e.value.status == 400
+
+
+def test_previous_response_id_continues_the_stored_chain_and_an_unknown_one_is_404():
+    from pd_server.openai_responses import with_previous
+    from pd_server.response_store import ResponseStore
+
+    store = ResponseStore(8, 2**20, 60.0)
+    first = ResponsesRequest(input="Call f.", instructions="Be brief.")
+    _, items = with_previous(first, store)
+    out = [{"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f", "arguments": "{}",
+            "status": "completed"}]
+    assert store.put("resp_a", {"id": "resp_a", "output": out}, items)
+    nxt = ResponsesRequest(input=[{"type": "function_call_output", "call_id": "call_1", "output": "42"}],
+                           previous_response_id="resp_a", tools=[TOOL])
+    req, items2 = with_previous(nxt, store)
+    assert [it["type"] for it in items2] == ["message", "function_call", "function_call_output"]
+    c = to_chat(req)
+    assert [m.role for m in c.messages] == ["user", "assistant", "tool"]  # the first turn's instructions stay behind
+    assert c.messages[1].tool_calls[0].id == "call_1" and c.messages[2].text == "42"
+    with pytest.raises(APIError, match="not found") as e:
+        with_previous(ResponsesRequest(input="x", previous_response_id="resp_zzz"), store)
+    assert e.value.status == 404 and e.value.param == "previous_response_id"
+
+
+def test_the_store_is_bounded_by_count_bytes_and_time(monkeypatch):
+    import time
+
+    from pd_server.response_store import ResponseStore
+
+    store = ResponseStore(2, 10**6, 60.0)
+    for rid in ("a", "b", "c"):
+        assert store.put(rid, {"id": rid}, [])
+    assert store.get("a") is None and store.get("b") is not None  # count: least recently used out
+    store = ResponseStore(10, 100, 60.0)
+    assert store.put("x", {"t": "x" * 45}, []) and store.put("y", {"t": "y" * 45}, [])
+    assert store.get("x") is None and store.get("y") is not None  # bytes
+    assert not store.put("huge", {"t": "z" * 200}, [])  # alone over the bound: not kept
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now + 61)
+    assert store.get("y") is None and len(store) == 0 and store.nbytes == 0  # expired
 
 
 def test_response_object_shape():

@@ -73,7 +73,9 @@ def test_loading_is_503_and_health_lists_the_rank(ctx, client):
     ("messages", [{"role": "robot", "content": "x"}], "messages.0.role"),
     ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], None),
     ("stop", [""], None),
-    ("logit_bias", {"5": 1.0}, None),
+    ("logit_bias", {"x": 1.0}, "logit_bias"),
+    ("logit_bias", {"5": 100.5}, "logit_bias"),
+    ("logit_bias", {"99999999": 1.0}, "logit_bias"),
     ("tool_choice", "required", None),
     ("stream_options", {"include_usage": "maybe"}, "stream_options.include_usage"),
 ])

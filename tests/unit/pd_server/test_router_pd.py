@@ -160,6 +160,10 @@ def test_generate_names_the_decode_rank_and_tokens_arrive_in_order(disp):
     assert to == "prefill-0" and isinstance(gen, Generate) and gen.decode_rank == h.decode.index
     sid = h.sub_ids[0]
     assert sid in h.rank.inflight and sid in h.decode.inflight
+    # A rank that does not hold the request cannot speak for it (a forged or confused rank).
+    other = next(n for n in ("decode-0", "decode-1") if n != h.decode.name)
+    disp.frame(other, TokenBatch([TokenEvent(sid, [99], "forged", "stop", completion_tokens=1)], 0.0))
+    assert h.queue.empty() and sid in disp.pending
     # The decode rank's second token overtakes the prefill rank's first.
     disp.frame(h.decode.name, TokenBatch([TokenEvent(sid, [12], "b", completion_tokens=2)], 0.0))
     assert h.queue.empty()
