@@ -102,7 +102,7 @@ def field_table(lim: Limits, path: str) -> dict[str, list]:
         "ignore_eos": NOT_A_BOOL,
         "return_token_ids": NOT_A_BOOL,
         "stream_options": [5, "x", [], {"include_usage": "maybe"}, {"include_usage": 5}],
-        "logit_bias": [{"5": 1.0}, "x", 5, {"5": "a"}],
+        "logit_bias": [{"x": 1.0}, {"5": 101}, {"5": -1e9}, {"99999999": 1.0}, {"-1": 1.0}, "x", 5, {"5": "a"}],
         "user": NOT_A_STRING,
     }
     if path == CHAT:
