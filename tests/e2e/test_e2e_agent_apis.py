@@ -245,11 +245,14 @@ def test_previous_response_id_continues_a_stored_conversation(system):
         {"role": "user", "content": "My name is Ada. Remember it."}, {"role": "assistant", "content": r1.output_text},
         {"role": "user", "content": "What is my name?"}])
     assert r2.output_text == chat.choices[0].message.content  # the same conversation underneath
-    assert r2.usage.input_tokens == chat.usage.prompt_tokens and r2.usage.input_tokens_details.cached_tokens > 0
+    assert r2.usage.input_tokens == chat.usage.prompt_tokens
     events = list(c.responses.create(input="What is my name?", previous_response_id=r1.id, stream=True, **kw))
     assert events[-1].response.output_text == r2.output_text
     r3 = c.responses.create(input="And again?", previous_response_id=events[-1].response.id, **kw)
     assert r3.usage.input_tokens > r2.usage.input_tokens
+    if any(r["host_cache_pages"] is not None for r in system.ranks().values()):  # (pd_handoff_system has none)
+        # The chain's prompt so far was stored by the host cache: its whole pages are a hit.
+        assert r3.usage.input_tokens_details.cached_tokens >= r2.usage.input_tokens // 16 * 16 - 16
     assert c.responses.retrieve(r2.id).output_text == r2.output_text
     items = c.responses.input_items.list(r3.id).data
     assert len(items) == 5 and items[0].type == "message"  # 3 user turns, 2 answers (the stream's)
