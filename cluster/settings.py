@@ -54,12 +54,14 @@ def cache_dir() -> Path:
     return Path(_get(CACHE_DIR) or Path.home() / ".cache" / "pdserve")
 
 
-def private_dir(path: Path) -> Path:
-    """`path`, made (mode 0700) where missing; RuntimeError unless it is a directory this user
-    owns that no one else may write to: code and weights are loaded from it."""
+def private_dir(path: Path, create: bool = True) -> Path:
+    """`path`, made (mode 0700) where missing (`create`; else FileNotFoundError); RuntimeError
+    unless it is a directory this user owns that no one else may write to: code and weights
+    are loaded from it."""
     import stat
 
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if create:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise RuntimeError(f"{path} is not a directory of this user's that only it may write to (owner uid "

@@ -300,7 +300,7 @@ def share_weights(model: nn.Module, directory: str | Path, identity: str,
     path = Path(directory) / f"{PREFIX}{key}.bin"
     loaded = load is None
     try:
-        settings.private_dir(Path(directory))  # another user's (or one others may write to) is refused
+        settings.private_dir(Path(directory), create=False)  # another user's, or one others may write to: refused
         # One writer: ranks that start together would otherwise each load, pack and write; they
         # wait here for the first one instead and map what it wrote.
         lock = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o600)

@@ -76,7 +76,7 @@ def invalid_requests(model: str, max_model_len: int) -> dict[str, tuple[str, dic
         "max_tokens_beyond_context": (COMPLETIONS, {"model": model, "prompt": "hi", "max_tokens": 10**9}),
         "unknown_model": (CHAT, {"model": "no-such-model", "messages": msgs}),
         "empty_stop": (CHAT, {"model": model, "messages": msgs, "stop": [""]}),
-        "logit_bias": (COMPLETIONS, {"model": model, "prompt": "hi", "logit_bias": {"1": 5}}),
+        "logit_bias": (COMPLETIONS, {"model": model, "prompt": "hi", "logit_bias": {"one": 5}}),
         "top_logprobs_alone": (CHAT, {"model": model, "messages": msgs, "top_logprobs": 3}),
     }
 

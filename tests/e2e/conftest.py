@@ -140,11 +140,14 @@ def pd_handoff_system(tmp_path_factory):
         stop_system(system)
 
 
+FAKE_SECRET = "fake-system-secret"  # (a test that speaks to its rank socket by hand needs it)
+
+
 @pytest.fixture(scope="session")
 def fake_system(tmp_path_factory):
     system = start_system(tmp_path_factory.mktemp("fake"),
                           ["--fake-ranks", "--fake-step-ms", "20", "--colocated", "2", "--model", MODEL,
-                           "--max-inflight-per-rank", "2"], timeout=120)
+                           "--max-inflight-per-rank", "2", "--cluster-secret", FAKE_SECRET], timeout=120)
     try:
         yield system
     finally:

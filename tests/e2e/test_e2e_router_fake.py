@@ -13,10 +13,12 @@ import openai
 import pytest
 import zmq
 
+from cluster.auth import secure_client
 from cluster.protocol import PROTOCOL_VERSION
 from cluster.protocol.codec import Codec
 from cluster.protocol.rank_router import Hello
 from cluster.protocol.router_rank import Reject
+from conftest import FAKE_SECRET
 
 MODEL = "smollm2-135m-instruct"
 
@@ -24,6 +26,7 @@ MODEL = "smollm2-135m-instruct"
 def _hello_reply(addr: str, hello) -> object:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    secure_client(sock, FAKE_SECRET)  # the rank socket runs CURVE (the fixture's secret)
     try:
         sock.connect(addr)
         sock.send(msgspec.msgpack.encode(hello))
