@@ -46,63 +46,8 @@ import numpy as np
 
 from hicache.index import Node, page_keys
 from hicache.pool import HostPool, HostPoolLayout
-
-FREE, WRITING, VALID = 0, 1, 2
-MAX_CLIENTS = 64
-_MAGIC, _VERSION = 0x70647368_63616368, 1  # "pdshcach"
-_SWEEP_S = 5.0
-# header int64 slots
-_H_MAGIC, _H_VERSION, _H_PAGES, _H_STATES, _H_PAGE_BYTES, _H_STATE_BYTES, _H_CAP, _H_TICK, _H_TOMBS = range(9)
-_HEADER = 4096
-
-
-def _start_time(pid: int) -> int:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); -1: no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return -1
-    return int(stat[stat.rindex(b")") + 2:].split()[19])
-
-
-def _split(key: bytes) -> tuple[int, int]:
-    return int.from_bytes(key[:8], "little"), int.from_bytes(key[8:16], "little")
-
-
-def _join(k0: int, k1: int) -> bytes:
-    return int(k0).to_bytes(8, "little") + int(k1).to_bytes(8, "little")
-
-
-class _Tables:
-    """The .idx file's arrays, laid out one after another (64-byte aligned) after the header."""
-
-    def __init__(self, buf, num_pages: int, num_states: int, cap: int, offset_only: bool = False) -> None:
-        specs = [("client_pid", np.int64, (MAX_CLIENTS,)), ("client_start", np.int64, (MAX_CLIENTS,)),
-                 ("pins", np.int32, (MAX_CLIENTS, num_pages)), ("pin_total", np.int32, (num_pages,)),
-                 ("status", np.uint8, (num_pages,)), ("owner", np.int16, (num_pages,)),
-                 ("k0", np.uint64, (num_pages,)), ("k1", np.uint64, (num_pages,)),
-                 ("depth", np.int32, (num_pages,)), ("state", np.int32, (num_pages,)),
-                 ("last", np.int64, (num_pages,)),
-                 ("s_status", np.uint8, (num_states,)), ("s_owner", np.int16, (num_states,)),
-                 ("s_page", np.int32, (num_states,)), ("s_last", np.int64, (num_states,)),
-                 ("hash", np.int32, (cap,))]
-        off = _HEADER
-        for name, dt, shape in specs:
-            n = int(np.prod(shape)) * np.dtype(dt).itemsize
-            if not offset_only:
-                setattr(self, name, np.ndarray(shape, dt, buffer=buf, offset=off))
-            off += -(-n // 64) * 64
-        self.nbytes = off
-        if not offset_only:
-            self.header = np.ndarray((_HEADER // 8,), np.int64, buffer=buf, offset=0)
-
-
-def _capacity(num_pages: int) -> int:
-    cap = 16
-    while cap < 2 * num_pages:
-        cap *= 2
-    return cap
-
+from hicache.shared_tables import (FREE, H_TICK, H_TOMBS, HEADER, MAGIC, MAX_CLIENTS, SWEEP_S, VALID, VERSION,
+                                   WRITING, Lock, Tables, capacity, join_key, leave, split_key, start_time)
 
 def index_path(layout: HostPoolLayout) -> Path:
     return layout.path.with_name(layout.name + ".idx")
@@ -125,16 +70,16 @@ def attach_or_create(layout: HostPoolLayout, root: bytes, page_size: int,
             continue
         break
     try:
-        cap = _capacity(layout.num_pages)
-        nbytes = _Tables(None, layout.num_pages, layout.num_states, cap, offset_only=True).nbytes
-        want = [_MAGIC, _VERSION, layout.num_pages, layout.num_states, layout.page_bytes, layout.state_bytes, cap]
+        cap = capacity(layout.num_pages)
+        nbytes = Tables(None, layout.num_pages, layout.num_states, cap, offset_only=True).nbytes
+        want = [MAGIC, VERSION, layout.num_pages, layout.num_states, layout.page_bytes, layout.state_bytes, cap]
         size = os.fstat(fd).st_size
         fresh = size == 0
         if not fresh:
-            head = np.frombuffer(os.pread(fd, 8 * len(want), 0), np.int64).tolist() if size >= _HEADER else []
+            head = np.frombuffer(os.pread(fd, 8 * len(want), 0), np.int64).tolist() if size >= HEADER else []
             if head[:2] != want[:2]:  # a creator died before writing its header: start over
                 fresh = True
-            elif head != want or bytes(os.pread(fd, 16, _HEADER - 16)) != root:
+            elif head != want or bytes(os.pread(fd, 16, HEADER - 16)) != root:
                 raise ValueError(f"{path} is another host cache (pages, states, bytes {head[2:]}, "
                                  f"this rank wants {want[2:]}, or another model): give each run its own name")
         if fresh:
@@ -143,9 +88,9 @@ def attach_or_create(layout: HostPoolLayout, root: bytes, page_size: int,
             os.ftruncate(fd, nbytes)
             pool = HostPool.create(layout, pin_cuda=pin_cuda, owner=False, populate="background")
             buf = mmap.mmap(fd, nbytes)
-            t = _Tables(buf, layout.num_pages, layout.num_states, cap)
+            t = Tables(buf, layout.num_pages, layout.num_states, cap)
             t.state[:] = -1
-            t.header[_HEADER // 8 - 2:] = np.frombuffer(root, np.int64)
+            t.header[HEADER // 8 - 2:] = np.frombuffer(root, np.int64)
             t.header[:len(want)] = want  # magic last of all: a header is whole or absent
         else:
             pool = HostPool.attach(layout, pin_cuda=pin_cuda)
@@ -173,8 +118,8 @@ class SharedIndex:
         self.path, self.layout = path, layout
         self.root, self.page_size = root, page_size
         self._fd, self._buf = fd, buf
-        self._t = _Tables(buf, layout.num_pages, layout.num_states, _capacity(layout.num_pages))
-        self._mask = _capacity(layout.num_pages) - 1
+        self._t = Tables(buf, layout.num_pages, layout.num_states, capacity(layout.num_pages))
+        self._mask = capacity(layout.num_pages) - 1
         self._tlock = threading.Lock()
         self._next_sweep = 0.0
         with self._locked():
@@ -183,12 +128,12 @@ class SharedIndex:
             if not len(free):
                 raise RuntimeError(f"{path}: {MAX_CLIENTS} processes already use this host cache")
             self.me = int(free[0])
-            self._t.client_pid[self.me], self._t.client_start[self.me] = os.getpid(), _start_time(os.getpid())
-        self._finalizer = weakref.finalize(self, _leave, path, layout.path, fd, self._t, self.me, self._tlock)
+            self._t.client_pid[self.me], self._t.client_start[self.me] = os.getpid(), start_time(os.getpid())
+        self._finalizer = weakref.finalize(self, leave, path, layout.path, fd, self._t, self.me, self._tlock)
 
     # ---- locking -------------------------------------------------------------------------
     def _locked(self):
-        return _Lock(self._fd, self._tlock)
+        return Lock(self._fd, self._tlock)
 
     def close(self) -> None:
         """Leave: drop this client's pins and unfinished pages; the last client unlinks both files."""
@@ -214,7 +159,7 @@ class SharedIndex:
         while t.hash[i] > 0:
             i = (i + 1) & mask
         if t.hash[i] < 0:
-            t.header[_H_TOMBS] -= 1
+            t.header[H_TOMBS] -= 1
         t.hash[i] = page + 1
 
     def _hash_remove(self, page: int) -> None:
@@ -223,36 +168,36 @@ class SharedIndex:
         while t.hash[i] != 0:
             if t.hash[i] == page + 1:
                 t.hash[i] = -1
-                t.header[_H_TOMBS] += 1
+                t.header[H_TOMBS] += 1
                 break
             i = (i + 1) & mask
-        if t.header[_H_TOMBS] > len(t.hash) // 4:
+        if t.header[H_TOMBS] > len(t.hash) // 4:
             self._rebuild()
 
     def _rebuild(self) -> None:
         t = self._t
         t.hash[:] = 0
-        t.header[_H_TOMBS] = 0
+        t.header[H_TOMBS] = 0
         for p in np.flatnonzero(t.status == VALID).tolist():
             self._hash_add(p)
 
     def _tick(self, n: int = 1) -> int:
-        t = self._t.header[_H_TICK] + n
-        self._t.header[_H_TICK] = t
+        t = self._t.header[H_TICK] + n
+        self._t.header[H_TICK] = t
         return int(t)
 
     def _node(self, p: int) -> Node:
         t = self._t
         s = int(t.state[p])
-        return Node(_join(t.k0[p], t.k1[p]), None, int(t.depth[p]), p, state=s if s >= 0 else None)
+        return Node(join_key(t.k0[p], t.k1[p]), None, int(t.depth[p]), p, state=s if s >= 0 else None)
 
     # ---- dead clients ------------------------------------------------------------------------
     def _sweep(self) -> None:
         """Free what clients that died left behind (see the module's crash safety)."""
         t = self._t
-        self._next_sweep = time.monotonic() + _SWEEP_S
+        self._next_sweep = time.monotonic() + SWEEP_S
         dead = [c for c in np.flatnonzero(t.client_pid).tolist()
-                if _start_time(int(t.client_pid[c])) != int(t.client_start[c])]
+                if start_time(int(t.client_pid[c])) != int(t.client_start[c])]
         for c in dead:
             t.pins[c] = 0
             t.status[(t.status == WRITING) & (t.owner == c)] = FREE
@@ -274,7 +219,7 @@ class SharedIndex:
     def _match(self, keys) -> list[int]:
         pages = []
         for key in keys:
-            p = self._find(*_split(key))
+            p = self._find(*split_key(key))
             if p < 0:
                 break
             pages.append(p)
@@ -359,7 +304,7 @@ class SharedIndex:
                     s = int(t.state[p])
                     if s >= 0:
                         t.s_status[s] = FREE
-                    evicted.append((_join(t.k0[p], t.k1[p]), s >= 0))
+                    evicted.append((join_key(t.k0[p], t.k1[p]), s >= 0))
                     t.state[p], t.status[p] = -1, FREE
                     self._hash_remove(p)
                 take(cand.tolist())
@@ -377,7 +322,7 @@ class SharedIndex:
     def insert(self, parent: Node | None, key: bytes, page: int) -> Node:
         """Publish a written page under `key` (child of `parent`). When another rank published the
         same key first, returns that node instead: the caller frees `page`."""
-        k0, k1 = _split(key)
+        k0, k1 = split_key(key)
         with self._locked():
             t = self._t
             found = self._find(k0, k1)
@@ -408,7 +353,7 @@ class SharedIndex:
                 s = int(cand[np.argmin(t.s_last[cand])])
                 p = int(t.s_page[s])
                 t.state[p] = -1
-                lost = _join(t.k0[p], t.k1[p])
+                lost = join_key(t.k0[p], t.k1[p])
             t.s_status[s], t.s_owner[s] = WRITING, self.me
             return s, lost
 
@@ -420,7 +365,7 @@ class SharedIndex:
     def set_state(self, node: Node, slot: int) -> bool:
         """Hang a written state slot off `node`'s page; False (slot freed) when the page already
         has one or is gone."""
-        k0, k1 = _split(node.key)
+        k0, k1 = split_key(node.key)
         with self._locked():
             t, p = self._t, node.page
             if (t.status[p] != VALID or int(t.k0[p]) != k0 or int(t.k1[p]) != k1 or t.state[p] >= 0
@@ -436,37 +381,3 @@ class SharedIndex:
     def clients(self) -> int:
         """Attached processes (live or not yet swept)."""
         return int(np.count_nonzero(self._t.client_pid))
-
-
-class _Lock:
-    __slots__ = ("fd", "tlock")
-
-    def __init__(self, fd: int, tlock: threading.Lock) -> None:
-        self.fd, self.tlock = fd, tlock
-
-    def __enter__(self) -> None:
-        self.tlock.acquire()
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except BaseException:
-            self.tlock.release()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        self.tlock.release()
-
-
-def _leave(path: Path, pool_path: Path, fd: int, t: _Tables, me: int, tlock: threading.Lock) -> None:
-    with _Lock(fd, tlock):
-        t.pin_total[:] -= t.pins[me]
-        t.pins[me] = 0
-        t.status[(t.status == WRITING) & (t.owner == me)] = FREE
-        t.s_status[(t.s_status == WRITING) & (t.s_owner == me)] = FREE
-        t.client_pid[me] = t.client_start[me] = 0
-        others = [c for c in np.flatnonzero(t.client_pid).tolist()
-                  if _start_time(int(t.client_pid[c])) == int(t.client_start[c])]
-        if not others:
-            pool_path.unlink(missing_ok=True)
-            path.unlink(missing_ok=True)
-    os.close(fd)
