@@ -83,6 +83,9 @@ class ForwardBatch:
     swa_write_tok: torch.Tensor | None  # [Nw] token index in the flat batch
     logits_indices: torch.Tensor  # [S] token index whose logits are sampled
     window: int
+    # [E] token indices whose logits give prompt logprobs (Sequence.prompt_logprob_rows), in
+    # scheduled order; None when no sequence of the step asks for them.
+    prompt_indices: torch.Tensor | None = None
     # Per rope type (layer type): (cos, sin) [T, 1, D] for this step's positions; set by the model.
     rope: dict = field(default_factory=dict)
 
@@ -116,7 +119,8 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, window: int,
-                        needs_logits: list[bool], device: torch.device) -> ForwardBatch:
+                        needs_logits: list[bool], device: torch.device,
+                        prompt_rows: list[int] | None = None) -> ForwardBatch:
     """Flatten `scheduled` (decode entries first) into tensors for one model step; the masks that
     torch's SDPA paths need are built on first use (PrefillMeta.full_mask / window_mask).
 
@@ -136,8 +140,11 @@ def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, w
     sw_idx: list[int] = []
     sw_tok: list[int] = []
     num_decode = 0
-    for (seq, n), want_logits in zip(scheduled, needs_logits):
+    prompt_idx: list[int] = []
+    for i, ((seq, n), want_logits) in enumerate(zip(scheduled, needs_logits)):
         start = len(ids)
+        if prompt_rows:
+            prompt_idx.extend(range(start, start + prompt_rows[i]))
         nc = seq.num_computed
         toks = seq.token_ids[nc:nc + n]
         ids.extend(toks)
@@ -185,4 +192,5 @@ def build_forward_batch(scheduled: list[tuple[Sequence, int]], page_size: int, w
         num_decode=num_decode, dec_pages=to(dec_pages), dec_ctx=to(dec_ctx_t), dec_slots=to(dec_slot_t),
         dec_swa_ctx=to(dec_swa_ctx), prefills=prefills,
         swa_write_slot=lt(sw_slot) if window else None, swa_write_idx=lt(sw_idx) if window else None,
-        swa_write_tok=lt(sw_tok) if window else None, logits_indices=lt(logits_idx), window=window)
+        swa_write_tok=lt(sw_tok) if window else None, logits_indices=lt(logits_idx), window=window,
+        prompt_indices=lt(prompt_idx) if prompt_idx else None)

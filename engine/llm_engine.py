@@ -32,7 +32,7 @@ from engine.host_cache import HostCacheFactory, HostCacheLike
 from engine.kv_cache import KVPool
 from engine.model_cache import cached_model_dir
 from engine.model_runner import ModelRunner
-from engine.outputs import KVExport, KVReservation, RequestOutput, TokenLogprob
+from engine.outputs import KVExport, KVReservation, PromptLogprobs, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -124,6 +124,8 @@ class LLMEngine(StepBounds):
             raise ValueError("a resumed request needs room for a new token and cannot be prefill-only")
         seq = Sequence(request_id, prompt_ids, params, output_ids=output_ids, prefill_only=prefill_only,
                        matcher=self._matcher(params, output_ids))
+        if params.prompt_logprobs is not None and not output_ids:  # (a resumed request sent them)
+            seq.prompt_lp = PromptLogprobs.empty(len(prompt_ids), params.prompt_logprobs)
         self._track(seq)
         det = self._detok[request_id]
         for t in output_ids:  # their text was streamed by the rank that made them
@@ -259,7 +261,10 @@ class LLMEngine(StepBounds):
             if seq.params.logprobs is not None:
                 k = seq.params.logprobs
                 lp = [TokenLogprob(tok, lps[i], list(zip(tops_ids[i][:k], tops_lp[i][:k])))]
-            results.append(self._after_token(seq, tok, lp))
+            plp, seq.prompt_lp = seq.prompt_lp, None  # complete: the prompt's last position was sampled
+            out_i = self._after_token(seq, tok, lp)
+            out_i.prompt_logprobs = plp
+            results.append(out_i)
         return results
 
     def flush_write_through(self) -> None:
@@ -346,6 +351,7 @@ class LLMEngine(StepBounds):
                 m.prompt_tokens, m.completion_tokens, m.cached_tokens = \
                     o.prompt_tokens, o.completion_tokens, o.cached_tokens
                 m.kv_export = o.kv_export
+                m.prompt_logprobs = m.prompt_logprobs or o.prompt_logprobs
         return [merged[r] for r in ids]
 
     _n = 0

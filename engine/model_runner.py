@@ -86,16 +86,22 @@ class ModelRunner:
         Advances num_computed of every scheduled sequence.
         """
         needs = [seq.num_computed + n == seq.num_tokens for seq, n in scheduled]
-        fb = build_forward_batch(scheduled, self.cfg.page_size, self.pool.window, needs, self.device)
+        prompt_rows = [seq.prompt_logprob_rows(n) for seq, n in scheduled]
+        if not any(prompt_rows):
+            prompt_rows = None
+        fb = build_forward_batch(scheduled, self.cfg.page_size, self.pool.window, needs, self.device, prompt_rows)
         self.last_step = (fb.num_decode, fb.num_tokens - fb.num_decode)  # (decode rows, prompt tokens)
         matchers = [seq.matcher for (seq, _), need in zip(scheduled, needs) if need]
         masks = None
         if any(m is not None for m in matchers):  # the grammar masks, filled while the model runs
             masks = self._grammar_thread().submit(fill_bitmask, matchers, len(matchers), self.model_cfg.vocab_size)
         hidden = self.model(fb, self.pool)
+        rows = [seq for (seq, _), need in zip(scheduled, needs) if need]
+        if prompt_rows is not None:
+            fill_prompt_logprobs(self.model, hidden[len(rows):], scheduled, prompt_rows)
+            hidden = hidden[:len(rows)]
         for seq, n in scheduled:
             seq.num_computed += n
-        rows = [seq for (seq, _), need in zip(scheduled, needs) if need]
         if not rows:
             return rows, None
         logits = self.model.compute_logits(hidden)  # [S, V] float32
@@ -136,6 +142,40 @@ class ModelRunner:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
                 if ids:
                     logits[i, ids] = float("-inf")
+
+
+PROMPT_LOGPROB_BLOCK = 256  # prompt rows whose [rows, vocab] logits are held at once
+
+
+def fill_prompt_logprobs(model, hidden: torch.Tensor, scheduled: list[tuple[Sequence, int]],
+                         prompt_rows: list[int]) -> None:
+    """Prompt logprobs from the hidden states of this step's prompt rows (in scheduled order,
+    Sequence.prompt_logprob_rows each): row j of a sequence (position num_computed + j, before the
+    step advances it) scores prompt token num_computed + j + 1. The raw log-softmax of the logits,
+    a block of rows at a time (a chunk of 2048 rows would be 400 MB of logits at once)."""
+    at = 0
+    for (seq, _), m in zip(scheduled, prompt_rows):
+        if not m:
+            continue
+        plp, nc = seq.prompt_lp, seq.num_computed
+        for b in range(0, m, PROMPT_LOGPROB_BLOCK):
+            e = min(m, b + PROMPT_LOGPROB_BLOCK)
+            logits = model.compute_logits(hidden[at + b:at + e]).float()  # [rows, V]
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            target = torch.tensor(seq.prompt_ids[nc + b + 1:nc + e + 1], device=logits.device).unsqueeze(1)
+            chosen = logits.gather(1, target)
+            ranks = ((logits > chosen).sum(dim=1) + 1).tolist()
+            lps = (chosen - lse).squeeze(1).tolist()
+            tops = top_ids = None
+            if plp.k:
+                top = logits.topk(plp.k, dim=-1, sorted=True)
+                tops, top_ids = (top.values - lse).tolist(), top.indices.tolist()
+            for r in range(e - b):
+                j = nc + b + r  # entry j: prompt token j + 1
+                plp.logprobs[j], plp.ranks[j] = lps[r], ranks[r]
+                if tops is not None:
+                    plp.top_ids[j], plp.top_logprobs[j] = top_ids[r], tops[r]
+        at += m
 
 
 def _packed_to_huge_pages(model) -> None:

@@ -41,6 +41,24 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptLogprobs:
+    """Log-probabilities of a prompt's tokens 1 .. n-1 (token 0 has none): entry j is token j+1
+    under the model given tokens 0 .. j (raw log-softmax, before any sampling setting), its rank
+    in the vocabulary (1: the most likely) and the `k` most likely tokens there."""
+
+    k: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    @classmethod
+    def empty(cls, prompt_len: int, k: int) -> PromptLogprobs:
+        n = max(0, prompt_len - 1)
+        return cls(k, [0.0] * n, [0] * n, [[] for _ in range(n)], [[] for _ in range(n)])
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]
@@ -53,3 +71,4 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     kv_export: KVExport | None = field(default=None, repr=False)
+    prompt_logprobs: PromptLogprobs | None = field(default=None, repr=False)  # with the first token

@@ -22,6 +22,10 @@ class SamplingParams:
     seed: same seed and same inputs give the same tokens, whatever else is batched.
     logprobs: None for none, else the number of top alternatives (0..20) returned
     beside the chosen token's own logprob.
+    prompt_logprobs: None for none, else the same for every prompt token after the first (the
+    model's raw log-softmax given the tokens before it; vLLM's prompt_logprobs, what completions'
+    echo + logprobs reports). A request asking for them computes its whole prompt (no prefix-cache
+    hit: a cached page has no logits) and gets them with its first token.
     grammar: a GrammarSpec (or its wire form, a (kind, text) pair) the output must follow
     (engine/grammar.py); None for free text. Under a grammar the grammar decides where the
     output may end (min_tokens does not hold its end-of-sequence back, and ignore_eos does not
@@ -42,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     # Per-request switch for the host prefix cache (issue: hicache).
     prefix_cache: bool = True
@@ -77,8 +82,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 20:
+                raise ValueError(f"{name} must be in [0, 20], got {v!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         if any(not s for s in self.stop):

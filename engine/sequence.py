@@ -49,6 +49,9 @@ class Sequence:
     # The request's xgrammar GrammarMatcher (engine/grammar.py), advanced by every output token;
     # None without a grammar.
     matcher: object | None = field(default=None, repr=False)
+    # Prompt logprobs being filled (engine.outputs.PromptLogprobs), chunk by chunk, until they
+    # leave with the first token; None when not asked for (or already sent).
+    prompt_lp: object | None = field(default=None, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
@@ -83,6 +86,13 @@ class Sequence:
         prefill chunk, even one alone, so a prompt's bits do not depend on where the scheduler
         cut it (budget left over, host-cache store points)."""
         return n >= 1 and self.num_computed >= len(self.prompt_ids)
+
+    def prompt_logprob_rows(self, n: int) -> int:
+        """Of the `n` tokens the next step computes, how many (the first ones) are prompt
+        positions whose logits give a prompt logprob (position j: token j+1's)."""
+        if self.prompt_lp is None:
+            return 0
+        return max(0, min(self.num_computed + n, len(self.prompt_ids) - 1) - self.num_computed)
 
     @property
     def finished(self) -> bool:

@@ -314,8 +314,10 @@ class HostCache:
         seq.num_cached_prompt = 0
         if not seq.params.prefix_cache:
             return True
-        hit = self.lookup(seq.token_ids, salt=seq.params.cache_salt)
-        if hit.path:
+        # A request that wants its prompt's logprobs computes every position (a hit has no
+        # logits); its pages are still stored.
+        hit = self.lookup(seq.token_ids, salt=seq.params.cache_salt) if seq.prompt_lp is None else None
+        if hit is not None and hit.path:
             if len(hit.path) > kv.free_pages:
                 self.release(hit)
                 return False

@@ -67,6 +67,8 @@ class SamplingRequest(_Model):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: token ids in each choice
+    # vLLM extension: each prompt token's logprob and this many alternatives (not when streaming)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # vLLM/SGLang: a tenant's salt for the prefix cache (its prompts hit only its own pages)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
 
@@ -79,6 +81,8 @@ class SamplingRequest(_Model):
     def _check_shared(self):
         if any(not s for s in self.stop_list):
             raise ValueError("stop strings must be non-empty")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available when stream is true (as in vLLM)")
         return self
 
     @property
@@ -187,6 +191,7 @@ class ChatCompletionRequest(SamplingRequest):
 # ---- completions ---------------------------------------------------------------------------------
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: the echoed prompt alone (with its logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -194,6 +199,10 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _check_completion(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone)")
+        if self.max_tokens == 0 and self.min_tokens:
+            raise ValueError("min_tokens must be 0 when max_tokens is 0")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -213,7 +222,20 @@ class CompletionRequest(SamplingRequest):
         return list(p)
 
     @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt (and its logprobs) back, no new token."""
+        return self.max_tokens == 0
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the rank computes: echo + logprobs and prompt_logprobs."""
+        asks = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asks) if asks else None
+
+    @property
     def requested_max_tokens(self) -> int | None:
+        if self.max_tokens == 0:
+            return 1  # the rank makes one token (its first), which the answer leaves out
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
 
 

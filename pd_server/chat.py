@@ -22,6 +22,7 @@ from cluster.protocol.rank_router import TokenEvent
 from pd_server import sse
 from pd_server.api_models import ChatCompletionRequest
 from pd_server.errors import APIError, error_body
+from pd_server.prompt_logprobs import check_size, vllm_prompt_logprobs
 from pd_server.prompts import RenderedChat
 from pd_server.request_state import Handle
 from pd_server.responses import (ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatMessageOut, Delta,
@@ -60,7 +61,10 @@ async def submit_chat(req: ChatCompletionRequest, ctx: ServerContext, prefix: st
     if spec is not None:
         await compile_in_time(ctx.grammar_compiler(vocab), spec, ctx.cfg.grammar_timeout_s)
     grammar = spec.as_wire() if spec is not None else None
-    work = [(chat.prompt_ids, make_sampling(req, max_tokens, req.num_logprobs, i, vocab, chat.extra_stop, grammar))
+    check_size(len(chat.prompt_ids), req.prompt_logprobs, "prompt_logprobs")
+    # (the answer has one prompt_logprobs: choice 0 computes it)
+    work = [(chat.prompt_ids, make_sampling(req, max_tokens, req.num_logprobs, i, vocab, chat.extra_stop, grammar,
+                                            req.prompt_logprobs if i == 0 else None))
             for i in range(req.n)]
     first_user = next((m.text for m in req.messages if m.role == "user"), "")
     rid = new_request_id(prefix)
@@ -80,6 +84,9 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
                               [_choice(ctx, req, chat, i, c) for i, c in enumerate(choices)], usage(choices))
         if req.return_token_ids:
             body.prompt_token_ids = chat.prompt_ids
+        if req.prompt_logprobs is not None:
+            body.prompt_logprobs = vllm_prompt_logprobs(ctx.token_text, chat.prompt_ids, choices[0].prompt_logprobs,
+                                                        req.prompt_logprobs)
         return to_json(body)
 
     return Response(await ctx.offload(build), media_type=JSON, headers=sub.headers)

@@ -47,9 +47,20 @@ class ChatLogprobs(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's prompt_logprobs entry: {token id: this} per position (None at the first)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -86,6 +97,7 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage
     object: str = "chat.completion"
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # vLLM's, when asked for
 
 
 class FunctionDelta(msgspec.Struct, omit_defaults=True):
@@ -131,6 +143,7 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # vLLM's, when asked for
 
 
 class Completion(msgspec.Struct):

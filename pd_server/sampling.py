@@ -40,7 +40,8 @@ def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, p
 
 
 def make_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None, seed_offset: int, vocab_size: int,
-                  extra_stop: tuple[str, ...] = (), grammar: tuple[str, str] | None = None) -> Sampling:
+                  extra_stop: tuple[str, ...] = (), grammar: tuple[str, str] | None = None,
+                  prompt_logprobs: int | None = None) -> Sampling:
     """The Sampling of choice `seed_offset` (n > 1 with a seed: seed + i, so choices differ
     yet the request as a whole reproduces). Raises a 400 naming the field on bad values, and
     on any token id outside [0, vocab_size) (SamplingParams.token_ids: the ranks check again)."""
@@ -64,6 +65,7 @@ def make_sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None, s
         grammar=grammar,
         cache_salt=req.cache_salt or "",
         logit_bias=bias,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         params = SamplingParams(**msgspec.structs.asdict(s))

@@ -14,7 +14,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from cluster.protocol.rank_router import TokenEvent, TokenLogprob
+from cluster.protocol.rank_router import PromptLogprobs, TokenEvent, TokenLogprob
 from pd_server.config import RouterConfig
 from pd_server.dispatcher import Dispatcher
 from pd_server.errors import APIError
@@ -125,8 +125,11 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
 
     def add(self, ev: TokenEvent) -> None:
+        if ev.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = ev.prompt_logprobs
         self.token_ids += ev.token_ids
         if ev.text:
             self.text.append(ev.text)

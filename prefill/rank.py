@@ -42,7 +42,7 @@ import msgspec
 from cluster.protocol import PROTOCOL_VERSION
 from cluster.protocol.prefill_decode import (Handoff, PeerHello, PeerReject, PeerWelcome, PrefillTimes,
                                                Pulled, PullFailed, Renew)
-from cluster.protocol.rank_router import RequestError, TokenBatch
+from cluster.protocol.rank_router import RequestError
 from cluster.protocol.router_rank import Abort, Generate, Peers
 from prefill.handoff_sender import HandoffSender
 from rank_runtime.loading import make_transfer
@@ -193,7 +193,7 @@ class PrefillLoop(RankLoop):
                     self.sender.release(rid, "finished at its first token")
                     self._gen.pop(rid, None)
                 events.append(self.token_event(o))
-        self.link.send(TokenBatch(events, now))
+        self.send_events(events, now)
         for o, t, g in handoffs:
             self._hand_off(o, t, g)
         self.yield_after_first(events)

@@ -24,8 +24,8 @@ import time
 
 import msgspec
 
-from cluster.protocol.rank_router import (CacheEvents, CacheUpdate, PhaseTimes, RankStats, RequestError,
-                                            TokenBatch, TokenEvent, TokenLogprob)
+from cluster.protocol.rank_router import (CacheEvents, CacheUpdate, PhaseTimes, PromptLogprobs, RankStats,
+                                            RequestError, TokenBatch, TokenEvent, TokenLogprob)
 from cluster.protocol.router_rank import Abort, Generate
 from rank_runtime.router_link import RankLink, RouterLost
 
@@ -157,7 +157,7 @@ class RankLoop:
     def on_outputs(self, outs) -> None:
         if outs:
             events = [self.token_event(o) for o in outs]
-            self.link.send(TokenBatch(events, time.time()))
+            self.send_events(events, time.time())
             self.yield_after_first(events)
 
     def yield_after_first(self, events: list[TokenEvent]) -> None:
@@ -226,12 +226,26 @@ class RankLoop:
             self.forget(rid)
         else:
             self.first_token_at.setdefault(rid, now)
-        lps = None
+        lps = plp = None
         if o.logprobs is not None:
             lps = [TokenLogprob(lp.token_id, lp.logprob, [(int(i), float(v)) for i, v in lp.top])
                    for lp in o.logprobs]
+        if o.prompt_logprobs is not None:
+            p = o.prompt_logprobs
+            plp = PromptLogprobs(p.logprobs, p.ranks, p.top_ids, p.top_logprobs)
         return TokenEvent(rid, o.new_token_ids, o.text, o.finish_reason, o.stop_str, o.prompt_tokens,
-                          o.completion_tokens, o.cached_tokens, lps, times)
+                          o.completion_tokens, o.cached_tokens, lps, times, plp)
+
+    def send_events(self, events: list[TokenEvent], now: float) -> None:
+        """The step's events as one TokenBatch, but each that carries prompt logprobs (up to
+        protocol.MAX_PROMPT_LOGPROB_ENTRIES entries) in a frame of its own: several of those in one
+        frame could pass the frame limit."""
+        big = [e for e in events if e.prompt_logprobs is not None]
+        rest = [e for e in events if e.prompt_logprobs is None] if big else events
+        for e in big:
+            self.link.send(TokenBatch([e], now))
+        if rest:
+            self.link.send(TokenBatch(rest, now))
 
     def phase_times(self, rid: str, now: float) -> PhaseTimes:
         arrived = self.arrived.get(rid, now)

@@ -103,6 +103,7 @@ def field_table(lim: Limits, path: str) -> dict[str, list]:
         "return_token_ids": NOT_A_BOOL,
         "stream_options": [5, "x", [], {"include_usage": "maybe"}, {"include_usage": 5}],
         "logit_bias": [{"x": 1.0}, {"5": 101}, {"5": -1e9}, {"99999999": 1.0}, {"-1": 1.0}, "x", 5, {"5": "a"}],
+        "prompt_logprobs": [21, -1, "abc", 1.5, [1]],
         "user": NOT_A_STRING,
     }
     if path == CHAT:

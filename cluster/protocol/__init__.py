@@ -35,7 +35,8 @@ from typing import Literal
 # (kv_store_hit_tokens, kv_store_read_bytes, kv_store_written_bytes) and handoff counters
 # (handoff_pulled_tokens, handoff_reused_tokens: a decode rank reads only what it lacks).
 # 9 added Hello.cache_group (ranks sharing one host cache), Sampling.cache_salt and Sampling.logit_bias.
-PROTOCOL_VERSION = 9
+# 10: Sampling.prompt_logprobs, TokenEvent.prompt_logprobs.
+PROTOCOL_VERSION = 10
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (cluster/auth.py).
 # The largest legitimate frames: a Generate or Handoff of a 1M-token prompt (<= 5 bytes per id in
@@ -43,6 +44,9 @@ PROTOCOL_VERSION = 9
 # a TokenBatch of 1k sequences with 20 top logprobs (~1 MiB). A bigger frame is a bug or an
 # attack: ZeroMQ drops the connection it came on rather than buffering it.
 MAX_FRAME_BYTES = 64 * 2**20
+# A request's prompt logprobs ((prompt tokens - 1) x (k + 1) entries; about 15 bytes each in
+# msgpack) travel in a frame of their own: the router refuses more than this (~30 MiB).
+MAX_PROMPT_LOGPROB_ENTRIES = 2_000_000
 
 Role = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")

@@ -58,6 +58,16 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top: list[tuple[int, float]]  # the k most likely (token id, logprob), best first
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Log-probabilities of a prompt's tokens 1 .. n-1 (engine.outputs.PromptLogprobs): entry j is
+    token j+1's given tokens 0 .. j, its rank in the vocabulary, and the k most likely tokens there."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 class PhaseTimes(msgspec.Struct, frozen=True, array_like=True):
     """Rank wall clocks (time.time()) at each phase boundary of one request.
 
@@ -86,6 +96,8 @@ class TokenEvent(msgspec.Struct, frozen=True, array_like=True):
     cached_tokens: int = 0  # prompt tokens served from a prefix cache
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
     times: PhaseTimes | None = None  # on the last event only
+    # Sampling.prompt_logprobs: with the first token, in a TokenBatch of its own (they can be large)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class TokenBatch(msgspec.Struct, frozen=True, array_like=True, tag="tokens"):

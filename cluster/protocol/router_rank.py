@@ -59,6 +59,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     grammar: tuple[str, str] | None = None  # (kind, text): engine.grammar.GrammarSpec
     cache_salt: str = ""  # the prefix cache's tenant salt ("": none)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob plus k alternatives
 
 
 class Generate(msgspec.Struct, frozen=True, array_like=True, tag="generate"):

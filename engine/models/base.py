@@ -63,8 +63,10 @@ class DecoderLM(nn.Module):
         return plan
 
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """Returns hidden states [S, hidden] of the tokens at fb.logits_indices."""
-        if self.use_decode_plan and self.decode_plan_cls is not None and fb.num_tokens:
+        """Returns hidden states [S, hidden] of the tokens at fb.logits_indices, followed by those
+        at fb.prompt_indices where a step has them ([S + E, hidden])."""
+        extra = fb.prompt_indices
+        if self.use_decode_plan and self.decode_plan_cls is not None and fb.num_tokens and extra is None:
             plan = self.decode_plan()
             if plan is not None and plan.takes(fb):
                 return plan.run(self, fb, pool)
@@ -77,16 +79,31 @@ class DecoderLM(nn.Module):
             if i == last and residual is not None:
                 # past its attention the last layer runs only the tokens whose logits are sampled
                 # (on the CPU kernels their bits are unchanged: each gives a row the same result in any batch)
-                x, residual = layer(x, residual, fb, pool, fb.logits_indices)
+                x, residual = self._last_layer(layer, x, residual, fb, pool)
                 cut = True
             else:
                 x, residual = layer(x, residual, fb, pool)
             if hook is not None:
                 hook()
         if not cut:  # a one-layer model
-            idx = fb.logits_indices
+            idx = fb.logits_indices if extra is None else torch.cat([fb.logits_indices, extra])
             x, residual = x[idx], residual[idx] if residual is not None else None
         return self.norm.add_norm(x, residual)[0]
+
+    def _last_layer(self, layer, x, residual, fb: ForwardBatch, pool: KVPool):
+        """The last layer for the sampled rows, then (a step with prompt logprobs) for the prompt
+        rows: a second pass, so the sampled rows' linears see the batch they would without them
+        (a GEMM's bits can depend on its row count). Its attention writes the same keys again. A
+        sliding last layer (its ring is written at the end of the first pass) takes both sets in
+        one pass."""
+        extra = fb.prompt_indices
+        if extra is None:
+            return layer(x, residual, fb, pool, fb.logits_indices)
+        if self.cfg.layer_types[-1] == "sliding_attention":
+            return layer(x, residual, fb, pool, torch.cat([fb.logits_indices, extra]))
+        xs, rs = layer(x, residual, fb, pool, fb.logits_indices)
+        xe, re = layer(x, residual, fb, pool, extra)
+        return torch.cat([xs, xe]), torch.cat([rs, re])
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()

@@ -5,12 +5,15 @@ the decode rank rebuilds the matcher):
     tool_choice required / named, streaming and not, greedy PD output equal to colocated's, 16
     concurrent constrained requests, bad schemas as 400s;
   * the Responses API (/v1/responses): text, instructions, function calls and their outputs,
-    text.format json_schema, streaming events, usage, unsupported input as 400s."""
+    text.format json_schema, streaming events, usage, unsupported input as 400s;
+  * what eval harnesses send: completions echo + logprobs (lm-evaluation-harness's recorded
+    log-likelihood body), max_tokens 0, vLLM's prompt_logprobs, against transformers."""
 from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -278,3 +281,75 @@ def test_previous_response_id_continues_a_stored_conversation(system):
 def test_responses_bad_input_is_400(colocated_system, body, match):
     with pytest.raises(openai.BadRequestError, match=match):
         _client(colocated_system).responses.create(model=MODEL, max_output_tokens=5, **body)
+
+
+# lm-evaluation-harness's local-completions body for two log-likelihood requests (context
+# "Question: What is the capital of France?\nAnswer:", continuations " Paris" and " London"),
+# as its _create_payload writes it: token ids, echo, one top logprob, one new token.
+CTX = [17872, 42, 1812, 314, 260, 3575, 282, 4649, 47, 198, 21350, 42]
+LM_EVAL_BODY = {"model": MODEL, "prompt": [CTX + [7042], CTX + [4528]], "temperature": 0, "max_tokens": 1,
+                "logprobs": 1, "seed": 1234, "echo": True}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' float32 log-softmax at every position of each lm-eval prompt, and the tolerance
+    the served dtype allows (float32 here; bf16 where the CPU has it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import resolve_dtype
+    from engine.model_cache import cached_model_dir
+
+    hf = AutoModelForCausalLM.from_pretrained(cached_model_dir(MODEL), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = [hf(torch.tensor([p])).logits[0].float().log_softmax(-1) for p in LM_EVAL_BODY["prompt"]]
+    return out, (2e-3 if resolve_dtype("auto", "cpu") == "float32" else 0.15)
+
+
+def test_lm_eval_loglikelihood_body_equals_transformers(system, reference):
+    """The harness's request, parsed as the harness parses it (token_logprobs[ctxlen:-1], greedy
+    when each equals its top_logprobs' best), gives transformers' values; the prompt's first token
+    has null, and the cached prefix (the same prompt again) changes nothing."""
+    ref, tol = reference
+    for _ in range(2):
+        r = httpx.post(system.url + "/v1/completions", json=LM_EVAL_BODY, timeout=300)
+        assert r.status_code == 200, r.text
+        for choice, prompt, lsm in zip(sorted(r.json()["choices"], key=lambda c: c["index"]), LM_EVAL_BODY["prompt"],
+                                       ref):
+            lp = choice["logprobs"]
+            assert len(lp["tokens"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None
+            assert lp["top_logprobs"][0] is None
+            for j, tok in enumerate(prompt[1:], start=1):
+                assert lp["token_logprobs"][j] == pytest.approx(float(lsm[j - 1, tok]), abs=tol)
+                assert max(lp["top_logprobs"][j].values()) == pytest.approx(float(lsm[j - 1].max()), abs=tol)
+            cont = lp["token_logprobs"][len(CTX):-1]
+            assert len(cont) == 1 and cont[0] == pytest.approx(float(lsm[len(CTX) - 1, prompt[-1]]), abs=tol)
+
+
+def test_echo_max_tokens_0_and_prompt_logprobs(system, reference):
+    """max_tokens 0 with echo: the prompt and its logprobs, no new token (streamed: the same echo
+    chunk); vLLM's prompt_logprobs on completions and chat; a stream asking for those is a 400."""
+    ref, tol = reference
+    c, prompt = _client(system), LM_EVAL_BODY["prompt"][0]
+    text = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True).choices[0].text
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+    assert len(r.choices[0].logprobs.tokens) == len(prompt) and text.startswith(r.choices[0].text)
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == r.choices[0].text and first.logprobs.token_logprobs == r.choices[0].logprobs.token_logprobs
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
+    got = httpx.post(system.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["prompt_logprobs"]
+    chat = httpx.post(system.url + "/v1/chat/completions", timeout=300, json={
+        "model": MODEL, "max_tokens": 2, "prompt_logprobs": 0, "messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert got[0] is None and len(got) == len(prompt)
+    for j, tok in enumerate(prompt[1:], start=1):
+        entry = got[j][str(tok)]
+        assert entry["logprob"] == pytest.approx(float(ref[0][j - 1, tok]), abs=tol)
+        assert 3 <= len(got[j]) <= 4 and min(e["rank"] for e in got[j].values()) == 1
+    for bad in ({**body, "stream": True}, {**body, "max_tokens": 0}, {**body, "prompt_logprobs": 21}):
+        r = httpx.post(system.url + "/v1/completions", json=bad, timeout=60)
+        assert r.status_code == 400, r.text
