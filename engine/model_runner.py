@@ -164,7 +164,7 @@ def fill_prompt_logprobs(model, hidden: torch.Tensor, scheduled: list[tuple[Sequ
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             target = torch.tensor(seq.prompt_ids[nc + b + 1:nc + e + 1], device=logits.device).unsqueeze(1)
             chosen = logits.gather(1, target)
-            ranks = ((logits > chosen).sum(dim=1) + 1).tolist()
+            ranks = ((logits > chosen).sum(dim=1, dtype=torch.int32) + 1).tolist()  # (int32: half the time)
             lps = (chosen - lse).squeeze(1).tolist()
             tops = top_ids = None
             if plp.k:
