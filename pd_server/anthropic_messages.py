@@ -107,7 +107,7 @@ async def create_message(req: MessagesRequest, chat_req: ChatCompletionRequest, 
     sub = await submit_chat(chat_req, ctx, prefix="msg")
     if req.stream:
         return SSEStream(sub.handle, MessagesStream(ctx, req, sub.chat, sub.rid), sub.headers)
-    c = (await collect(sub.handle, request.receive))[0]
+    c = (await collect(sub.handle, request.receive, not ctx.cfg.cache_usage_details))[0]
     text, calls = "".join(c.text), []
     if sub.chat.tool_names is not None:
         content, calls = parse_tool_calls(text, sub.chat.tool_names, sub.chat.forced_prefix)

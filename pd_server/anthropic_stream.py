@@ -26,7 +26,7 @@ from pd_server.anthropic_models import (ContentBlockDelta, ContentBlockStart, Co
                                         TextContent, TextDelta, Usage, message_id, stop_reason, tool_use, usage_of)
 from pd_server.errors import APIError, anthropic_error_body
 from pd_server.prompts import RenderedChat
-from pd_server.serving import Choice, ServerContext
+from pd_server.serving import ServerContext
 from pd_server.tool_parser import ParsedToolCall, ToolCallParser
 
 
@@ -43,7 +43,7 @@ class MessagesStream:
         self.id, self.model, self.stops = message_id(rid), ctx.model_name, req.stop_sequences
         self.prompt_tokens = len(chat.prompt_ids)
         self.parser = ToolCallParser(chat.tool_names, chat.forced_prefix) if chat.tool_names is not None else None
-        self.choice = Choice()
+        self.choice = ctx.new_choice()
         self.blocks = 0  # blocks started so far; the last one is open while text_open
         self.text_open = False
         self.text_events = sse.TextEvents(lambda idx, text: ContentBlockDelta(idx, TextDelta(text)),

@@ -40,7 +40,7 @@ from pd_server.openai_responses import ResponsesRequest, create_response, to_cha
 from pd_server.response_store import ResponseStore
 from pd_server.ranks import READY
 from pd_server.responses import ModelCard, ModelList, to_json
-from pd_server.security import RequestGuard, api_key, key_matches
+from pd_server.security import RequestGuard, api_key, api_keys, key_matches, tenant
 from pd_server.serving import ServerContext
 from pd_server.sse_response import with_server_send
 from pd_server.tokenize import detokenize, tokenize
@@ -131,47 +131,51 @@ def build_app(ctx: ServerContext):
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_chat(req, ctx.cfg)
+        req.cache_salt = ctx.tenant_salt(request, req.cache_salt)
         return await create_chat_completion(req, request, ctx)
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request):
-        req, items = with_previous(req, ctx.responses)
+        req, items = with_previous(req, ctx.responses, tenant(request))
         chat_req = to_chat(req)
         check_chat(chat_req, ctx.cfg)
+        chat_req.cache_salt = ctx.tenant_salt(request, chat_req.cache_salt)
         return await create_response(req, chat_req, request, ctx, items)
 
-    def stored(rid: str):
-        s = ctx.responses.get(rid)
+    def stored(rid: str, request: Request):
+        s = ctx.responses.get(rid, tenant(request))
         if s is None:
             raise APIError(404, f"Response with id {rid!r} not found.", param="response_id")
         return s
 
     @app.get("/v1/responses/{rid}")
-    async def get_response(rid: str):
-        return Response(to_json(stored(rid).response), media_type=JSON)
+    async def get_response(rid: str, request: Request):
+        return Response(to_json(stored(rid, request).response), media_type=JSON)
 
     @app.get("/v1/responses/{rid}/input_items")
-    async def response_input_items(rid: str):
-        items = stored(rid).input_items
+    async def response_input_items(rid: str, request: Request):
+        items = stored(rid, request).input_items
         return Response(to_json({"object": "list", "data": items, "has_more": False,
                                  "first_id": items[0].get("id") if items else None,
                                  "last_id": items[-1].get("id") if items else None}), media_type=JSON)
 
     @app.delete("/v1/responses/{rid}")
-    async def delete_response(rid: str):
-        stored(rid)
+    async def delete_response(rid: str, request: Request):
+        stored(rid, request)
         ctx.responses.delete(rid)
         return Response(to_json({"id": rid, "object": "response", "deleted": True}), media_type=JSON)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_completion(req, ctx.cfg)
+        req.cache_salt = ctx.tenant_salt(request, req.cache_salt)
         return await create_completion(req, request, ctx)
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):
         chat_req = anthropic_messages.to_chat(req)
         check_chat(chat_req, ctx.cfg)
+        chat_req.cache_salt = ctx.tenant_salt(request, chat_req.cache_salt)
         return await anthropic_messages.create_message(req, chat_req, request, ctx)
 
     @app.post("/v1/messages/count_tokens")
@@ -198,7 +202,7 @@ def build_app(ctx: ServerContext):
     async def detokenize_route(req: DetokenizeRequest):
         return Response(to_json(await ctx.offload(detokenize, req, ctx)), media_type=JSON)
 
-    key = api_key(ctx.cfg).encode()
+    keys = api_keys(api_key(ctx.cfg))
 
     @app.get("/health")
     async def health(request: Request):
@@ -207,7 +211,8 @@ def build_app(ctx: ServerContext):
         body = {"status": status, "model": ctx.model_name, "max_model_len": reg.max_model_len,
                 "rank_addr": ctx.dispatcher.address, "ranks": [r.describe(now) for r in reg.ranks.values()],
                 "down": [r.name for r in reg.ranks.values() if r.state != READY and status == "degraded"]}
-        if key and not key_matches(request.headers.get("authorization", "").encode() or None, key):
+        auth = request.headers.get("authorization", "").encode() or None
+        if keys and not any(key_matches(auth, k) for k in keys):
             # Open for probes, but where a key guards the API the cluster's addresses and pids need it too.
             body.pop("rank_addr")
             for r in body["ranks"]:

@@ -69,7 +69,7 @@ async def submit_chat(req: ChatCompletionRequest, ctx: ServerContext, prefix: st
     first_user = next((m.text for m in req.messages if m.role == "user"), "")
     rid = new_request_id(prefix)
     handle = ctx.dispatcher.submit(rid, work, RouteRequest(chat.prompt_ids, req.n, first_user, req.cache_salt or ""), arrival)
-    return Submitted(chat, handle, rid, route_headers(handle, rid))
+    return Submitted(chat, handle, rid, route_headers(handle, rid, ctx.cfg.cache_usage_details))
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, ctx: ServerContext) -> Response:
@@ -77,7 +77,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
     chat, handle, rid = sub.chat, sub.handle, sub.rid
     if req.stream:
         return SSEStream(handle, _ChatStream(ctx, req, chat, handle, rid), sub.headers)
-    choices = await collect(handle, request.receive)
+    choices = await collect(handle, request.receive, not ctx.cfg.cache_usage_details)
 
     def build() -> bytes:  # n x max_tokens x top_logprobs entries: request-sized work
         body = ChatCompletion(rid, int(time.time()), ctx.model_name,
@@ -123,7 +123,7 @@ class _ChatStream:
         self.started = [False] * n
         self.parsers = ([ToolCallParser(chat.tool_names, chat.forced_prefix) for _ in range(n)]
                         if chat.tool_names is not None else None)
-        self.choices = [Choice() for _ in range(n)]
+        self.choices = [ctx.new_choice() for _ in range(n)]
         # Fast path (content only: no tools, logprobs or token ids): a template per choice index.
         self.plain = self.parsers is None and not req.logprobs and not req.return_token_ids
         self.text_events = sse.TextEvents(

@@ -20,8 +20,7 @@ from pd_server.prompt_logprobs import check_size, echo_logprobs, joined, vllm_pr
 from pd_server.responses import Completion, CompletionChoice, to_json
 from pd_server.routing import RouteRequest
 from pd_server.sampling import check_prompt, fit_max_tokens, make_sampling
-from pd_server.serving import (Choice, ServerContext, collect, completion_logprobs, new_request_id, route_headers,
-                               usage)
+from pd_server.serving import ServerContext, collect, completion_logprobs, new_request_id, route_headers, usage
 from pd_server.sse_response import SSEStream
 
 
@@ -50,11 +49,11 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
         work += [(ids, make_sampling(req, max_tokens, req.logprobs, j, vocab, prompt_logprobs=k)) for j in range(req.n)]
     rid = new_request_id("cmpl")
     handle = ctx.dispatcher.submit(rid, work, RouteRequest(prompts[0], len(work), cache_salt=req.cache_salt or ""), arrival)
-    headers = route_headers(handle, rid)
+    headers = route_headers(handle, rid, ctx.cfg.cache_usage_details)
     echoes = [_echo(ctx, req, p) for p in req.prompts] if req.echo else None
     if req.stream:
         return SSEStream(handle, _CompletionStream(ctx, req, handle, rid, echoes, [w[0] for w in work]), headers)
-    choices = await collect(handle, request.receive)
+    choices = await collect(handle, request.receive, not ctx.cfg.cache_usage_details)
 
     def build() -> bytes:  # prompts x n x max_tokens x logprobs entries: request-sized work
         out = []
@@ -92,7 +91,7 @@ class _CompletionStream:
         self.ctx, self.req, self.rid, self.echoes, self.prompt_ids = ctx, req, rid, echoes, prompt_ids
         self.created, self.model = int(time.time()), ctx.model_name
         n = len(handle.sub_ids)
-        self.choices = [Choice() for _ in range(n)]
+        self.choices = [ctx.new_choice() for _ in range(n)]
         self.offsets = [len(echoes[i // req.n]) if echoes else 0 for i in range(n)]
         self.echo_later = bool(echoes) and req.logprobs is not None  # the echo waits for its logprobs
         self.echoed = [not self.echo_later] * n

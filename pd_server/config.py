@@ -39,7 +39,13 @@ class RouterConfig:
     # NOTE: repr=False keeps the key out of every log line and traceback that prints the config.
     api_key: str = field(default="", repr=False, metadata={"help": (
         "require 'Authorization: Bearer <key>' on every /v1/* route (empty: $PDSERVE_API_KEY, "
-        "if set; /health and /metrics stay open)")})
+        "if set; /health and /metrics stay open); several keys separated by commas are several tenants: "
+        "one key never reads another's stored Responses")})
+    cache_salt_from_key: bool = opt(False, "fold each request's API key (its tenant) into its cache_salt, so one "
+                                           "key's prompts are never a prefix-cache hit for another's")
+    cache_usage_details: bool = opt(True, "report usage's cached_tokens and the x-pdserve-rank headers; "
+                                          "--no-cache-usage-details hides them (cached_tokens, exact to the "
+                                          "page, tells a client what others' prompts the cache holds)")
     max_body_bytes: int = opt(16 * 2**20, "largest request body; past it: 413, before the body is read")
     body_timeout_s: float = opt(30.0, "a request body must arrive in full within this many seconds of its "
                                       "headers; else 408 (slowloris)")

@@ -35,6 +35,7 @@ from pd_server.api_models import (ChatCompletionRequest, ChatMessage, FunctionCa
                                   ResponseFormat, Tool, ToolCall, ToolChoiceFunction, _Model)
 from pd_server.chat import submit_chat
 from pd_server.errors import APIError, bad_request
+from pd_server.security import tenant
 from pd_server.serving import Choice, ServerContext, collect
 from pd_server.sse_response import SSEStream
 from pd_server.tool_parser import ParsedToolCall, parse_tool_calls
@@ -136,15 +137,16 @@ def own_items(req: ResponsesRequest) -> list[dict]:
     return [it.model_dump(exclude_none=True) for it in req.input]
 
 
-def with_previous(req: ResponsesRequest, store) -> tuple[ResponsesRequest, list[dict]]:
+def with_previous(req: ResponsesRequest, store, owner: str = "") -> tuple[ResponsesRequest, list[dict]]:
     """(the request with the conversation so far in its input, that conversation's items): with
     previous_response_id, the stored chain's input items and the previous response's output items
     before the request's own (its instructions are not carried, as OpenAI defines). Raises a 404
-    for an id the store does not hold (unknown, deleted, evicted or expired)."""
+    for an id the store does not hold for `owner` (unknown, another tenant's, deleted, evicted or
+    expired)."""
     items = own_items(req)
     if req.previous_response_id is None:
         return req, items
-    prev = store.get(req.previous_response_id)
+    prev = store.get(req.previous_response_id, owner)
     if prev is None:
         raise APIError(404, f"Previous response with id {req.previous_response_id!r} not found.",
                        param="previous_response_id")
@@ -259,12 +261,12 @@ async def create_response(req: ResponsesRequest, chat_req: ChatCompletionRequest
 
     def keep(body: dict) -> None:
         if req.store is not False:
-            ctx.responses.put(rid, body, items)
+            ctx.responses.put(rid, body, items, tenant(request))
 
     if req.stream:
         return SSEStream(sub.handle, ResponsesStream(ctx, req, sub.chat, rid, keep), sub.headers)
     created = time.time()
-    c = (await collect(sub.handle, request.receive))[0]
+    c = (await collect(sub.handle, request.receive, not ctx.cfg.cache_usage_details))[0]
     text = "".join(c.text)
     calls: list[ParsedToolCall] = []
     if sub.chat.tool_names is not None:

@@ -22,7 +22,7 @@ from pd_server.errors import APIError
 from pd_server.openai_responses import (ResponsesRequest, call_item, message_item, new_id, response_object,
                                         usage_of)
 from pd_server.prompts import RenderedChat
-from pd_server.serving import Choice, ServerContext
+from pd_server.serving import ServerContext
 from pd_server.tool_parser import ParsedToolCall, ToolCallParser
 
 _encode = msgspec.json.Encoder().encode
@@ -37,7 +37,7 @@ class ResponsesStream:
         self.keep = keep  # called with the finished response (the store)
         self.created = time.time()
         self.parser = ToolCallParser(chat.tool_names, chat.forced_prefix) if chat.tool_names is not None else None
-        self.choice = Choice()
+        self.choice = ctx.new_choice()
         self.seq = 0
         self.output: list[dict] = []  # finished items
         self.msg_id: str | None = None  # the open message item

@@ -7,8 +7,9 @@ input and the previous response's output items (openai_responses.with_previous).
 /v1/responses/{id} returns the response object, GET .../input_items its input items, DELETE
 removes it. Bounded: at most --responses-max-count responses and --responses-max-mb of JSON,
 least recently used out first, and each expires --responses-ttl-s after it was stored. In the
-router's memory: a restart forgets them (a 404 then, as for an evicted one). One API key at most
-guards the router, so every client that holds it sees every stored response.
+router's memory: a restart forgets them (a 404 then, as for an evicted one). Each is its
+tenant's (security.tenant: the API key it came with, where --api-key names several): another
+tenant's id is a 404, as an unknown one.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Stored:
     input_items: list[dict]  # the conversation's input items, oldest first
     nbytes: int
     expires: float  # monotonic
+    owner: str = ""  # its tenant (security.tenant_id of the key it came with; "" without keys)
 
 
 class ResponseStore:
@@ -38,21 +40,22 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, rid: str, response: dict, input_items: list[dict]) -> bool:
+    def put(self, rid: str, response: dict, input_items: list[dict], owner: str = "") -> bool:
         """Keep a finished response; False (nothing kept) when it alone is over the byte bound."""
         nbytes = len(msgspec.json.encode(response)) + len(msgspec.json.encode(input_items))
         if self.max_count <= 0 or nbytes > self.max_bytes:
             return False
         self.delete(rid)
-        self._items[rid] = Stored(response, input_items, nbytes, time.monotonic() + self.ttl_s)
+        self._items[rid] = Stored(response, input_items, nbytes, time.monotonic() + self.ttl_s, owner)
         self.nbytes += nbytes
         while len(self._items) > self.max_count or self.nbytes > self.max_bytes:
             self._drop(next(iter(self._items)))
         return True
 
-    def get(self, rid: str) -> Stored | None:
+    def get(self, rid: str, owner: str = "") -> Stored | None:
+        """The response `rid` if `owner` stored it (and it has not expired), else None."""
         s = self._items.get(rid)
-        if s is None:
+        if s is None or s.owner != owner:
             return None
         if time.monotonic() >= s.expires:
             self._drop(rid)

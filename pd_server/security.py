@@ -1,9 +1,11 @@
 """The router's front door, as pure ASGI middleware (BaseHTTPMiddleware would buffer streams).
 
 Every HTTP request passes these steps before any route sees it:
-  1. Key: with an API key set (--api-key, else $PDSERVE_API_KEY), /v1/*, /tokenize and /detokenize need
-     `Authorization: Bearer <key>` (Anthropic's routes, /v1/messages...: or `x-api-key: <key>`,
-     as Anthropic's clients send it), compared in constant time; otherwise 401
+  1. Key: with API keys set (--api-key, else $PDSERVE_API_KEY: one, or several separated by commas,
+     one per tenant), /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>`
+     (Anthropic's routes, /v1/messages...: or `x-api-key: <key>`, as Anthropic's clients send it),
+     compared in constant time; the request's tenant (a hash of its key, `tenant(request)`) scopes
+     its stored Responses and, with --cache-salt-from-key, its prefix-cache hits; otherwise 401
      (code "invalid_api_key"). /health and /metrics stay open for probes and scrapers; a body
      sent to any path that needs no key is then a 413 before a byte of it is read (no one
      without the key makes the router buffer anything).
@@ -22,6 +24,7 @@ cannot be reused.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 from collections.abc import Mapping
 
@@ -41,6 +44,21 @@ def protected(path: str) -> bool:
 def api_key(cfg: RouterConfig, environ: Mapping[str, str] | None = None) -> str:
     """The key requests must carry: --api-key, else $PDSERVE_API_KEY; "" for none."""
     return cfg.api_key or settings.api_key(environ)
+
+
+def api_keys(raw: str) -> list[bytes]:
+    """The keys in an --api-key value: comma-separated, blanks dropped."""
+    return [k.strip().encode() for k in raw.split(",") if k.strip()]
+
+
+def tenant_id(key: bytes) -> str:
+    """A key's tenant: a hash that names it without revealing it ("" for no key)."""
+    return hashlib.sha256(b"pdserve-tenant\0" + key).hexdigest()[:32] if key else ""
+
+
+def tenant(request) -> str:
+    """The tenant RequestGuard found for a request (its key's tenant_id; "" where no key is set)."""
+    return request.scope.get("state", {}).get("tenant", "")
 
 
 def key_matches(authorization: bytes | None, key: bytes) -> bool:
@@ -70,23 +88,28 @@ class _ClientGone(Exception):
 
 
 class RequestGuard:
-    """ASGI middleware for steps 1-4 above; `cfg` gives the limits, `key` the API key ("": open)."""
+    """ASGI middleware for steps 1-4 above; `cfg` gives the limits, `key` the API key or keys
+    (comma-separated; "": open)."""
 
     def __init__(self, app, cfg: RouterConfig, key: str) -> None:
         self.app, self.cfg = app, cfg
-        self.key = key.encode()
+        self.keys = api_keys(key)
+        self.key = bool(self.keys)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])  # ASGI: lower-cased names; a repeated header keeps its last value
         path = scope["path"]
-        if self.key and protected(path) and not self._key_ok(headers, path):
-            msg = ("incorrect API key provided" if b"authorization" in headers or b"x-api-key" in headers
-                   else "missing API key: send 'Authorization: Bearer <key>'"
-                   + (" or 'x-api-key: <key>'" if speaks_anthropic(path) else ""))
-            return await send_error(send, APIError(401, msg, code="invalid_api_key"),
-                                    ((b"www-authenticate", b"Bearer"),), path)
+        if self.key and protected(path):
+            who = self._key_of(headers, path)
+            if who is None:
+                msg = ("incorrect API key provided" if b"authorization" in headers or b"x-api-key" in headers
+                       else "missing API key: send 'Authorization: Bearer <key>'"
+                       + (" or 'x-api-key: <key>'" if speaks_anthropic(path) else ""))
+                return await send_error(send, APIError(401, msg, code="invalid_api_key"),
+                                        ((b"www-authenticate", b"Bearer"),), path)
+            scope.setdefault("state", {})["tenant"] = tenant_id(who)
         limit = self.cfg.max_body_bytes
         declared = headers.get(b"content-length")
         if self.key and not protected(path) and (declared not in (None, b"0") or b"transfer-encoding" in headers):
@@ -118,10 +141,15 @@ class RequestGuard:
 
         await self.app(scope, replay, send)
 
-    def _key_ok(self, headers: dict[bytes, bytes], path: str) -> bool:
-        if key_matches(headers.get(b"authorization"), self.key):
-            return True
-        return speaks_anthropic(path) and x_api_key_matches(headers.get(b"x-api-key"), self.key)
+    def _key_of(self, headers: dict[bytes, bytes], path: str) -> bytes | None:
+        """The key the request carries, if it is one of ours (every key compared, each in
+        constant time)."""
+        auth, xkey = headers.get(b"authorization"), headers.get(b"x-api-key") if speaks_anthropic(path) else None
+        found = None
+        for key in self.keys:
+            if key_matches(auth, key) or x_api_key_matches(xkey, key):
+                found = key
+        return found
 
     @staticmethod
     async def _read_body(receive, limit: int) -> bytes | None:

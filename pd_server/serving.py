@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import os
 import time
 import uuid
@@ -22,6 +23,7 @@ from pd_server.metrics import RouterMetrics
 from pd_server.prompts import ChatRenderer
 from pd_server.ranks import RankRegistry
 from pd_server.request_state import ClientGone, Handle
+from pd_server.security import tenant
 from pd_server.responses import (ChatLogprobs, CompletionLogprobs, LogprobEntry, TopLogprob, Usage,
                                  make_usage)
 from pd_server.sse_response import watch_disconnect
@@ -77,6 +79,18 @@ class ServerContext:
                                 f"{len(text)} characters, more than that many tokens spell (at most {cap})",
                            param=param)
 
+    def tenant_salt(self, request, salt: str | None) -> str | None:
+        """A request's cache_salt; with --cache-salt-from-key, its tenant (API key) folded in, so
+        one key's prompts are never a prefix-cache hit for another's."""
+        who = tenant(request) if self.cfg.cache_salt_from_key else ""
+        if not who:
+            return salt
+        return hashlib.sha256(f"{who}\0{salt or ''}".encode()).hexdigest()
+
+    def new_choice(self) -> Choice:
+        """A Choice to accumulate into; --no-cache-usage-details keeps cached_tokens at 0."""
+        return Choice(hide_cached=not self.cfg.cache_usage_details)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_aliases:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
@@ -126,6 +140,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
+    hide_cached: bool = False  # --no-cache-usage-details: cached_tokens stays 0
 
     def add(self, ev: TokenEvent) -> None:
         if ev.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -136,20 +151,20 @@ class Choice:
         if ev.logprobs:
             self.logprobs += ev.logprobs
         self.completion_tokens = ev.completion_tokens
-        self.prompt_tokens, self.cached_tokens = ev.prompt_tokens, ev.cached_tokens
+        self.prompt_tokens, self.cached_tokens = ev.prompt_tokens, 0 if self.hide_cached else ev.cached_tokens
         if ev.finish_reason is not None:
             self.finish_reason, self.stop_str = ev.finish_reason, ev.stop_str
 
     def count(self, ev: TokenEvent) -> None:
         """Only what usage() reads (a stream renders the rest as it goes); idempotent."""
         self.completion_tokens = ev.completion_tokens
-        self.prompt_tokens, self.cached_tokens = ev.prompt_tokens, ev.cached_tokens
+        self.prompt_tokens, self.cached_tokens = ev.prompt_tokens, 0 if self.hide_cached else ev.cached_tokens
 
 
-async def collect(handle: Handle, receive) -> list[Choice]:
+async def collect(handle: Handle, receive, hide_cached: bool = False) -> list[Choice]:
     """Run a non-streaming request to the end. The client going away aborts it on the rank
-    (APIError 499); `receive`: the request's ASGI receive."""
-    choices = [Choice() for _ in handle.sub_ids]
+    (APIError 499); `receive`: the request's ASGI receive; `hide_cached`: see Choice."""
+    choices = [Choice(hide_cached=hide_cached) for _ in handle.sub_ids]
     watch = watch_disconnect(receive, handle)
     try:
         async for batch in handle.batches():
@@ -191,7 +206,10 @@ def completion_logprobs(ctx: ServerContext, lps: list[TokenLogprob], offset: int
     return CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, offsets)
 
 
-def route_headers(handle: Handle, request_id: str) -> dict[str, str]:
+def route_headers(handle: Handle, request_id: str, details: bool = True) -> dict[str, str]:
+    """x-request-id, and (`details`: not with --no-cache-usage-details) the ranks that serve it."""
+    if not details:
+        return {"x-request-id": request_id}
     headers = {"x-request-id": request_id, "x-pdserve-rank": handle.rank.name}
     if handle.decode is not None:
         headers["x-pdserve-decode-rank"] = handle.decode.name

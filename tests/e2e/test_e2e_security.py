@@ -1,7 +1,8 @@
 """Access control and request limits on a real router (2 stand-in ranks, no model): --api-key
 and $PDSERVE_API_KEY through the official openai client (and as x-api-key through the anthropic
-one), /health and /metrics open, the key in no log, and every request limit flag answered 400
-(413 for the body) naming its field."""
+one), two keys as two tenants (one never reads the other's stored Responses), --no-cache-usage-details,
+/health and /metrics open, the key in no log, and every request limit flag answered 400 (413 for
+the body) naming its field."""
 from __future__ import annotations
 
 import anthropic
@@ -11,6 +12,7 @@ import pytest
 from conftest import MODEL, start_system, stop_system
 
 KEY = "sk-e2e-4f1c9a7d2b"
+KEY2 = "sk-e2e-second-tenant-77"
 ENV_KEY = "sk-e2e-from-the-environment"
 FAKE = ["--fake-ranks", "--fake-step-ms", "5", "--colocated", "2", "--model", MODEL]
 LIMITS = ["--max-body-bytes", "8192", "--max-n", "2", "--max-messages", "3", "--max-tokens-limit", "50",
@@ -21,7 +23,7 @@ LIMITS = ["--max-body-bytes", "8192", "--max-n", "2", "--max-messages", "3", "--
 @pytest.fixture(scope="module")
 def keyed_system(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.delenv("PDSERVE_API_KEY", raising=False)
-    system = start_system(tmp_path_factory.mktemp("keyed"), [*FAKE, "--api-key", KEY, *LIMITS], timeout=120)
+    system = start_system(tmp_path_factory.mktemp("keyed"), [*FAKE, "--api-key", f"{KEY},{KEY2}", "--no-cache-usage-details", *LIMITS], timeout=120)
     try:
         yield system
     finally:
@@ -69,6 +71,28 @@ def check_key(system, key: str) -> None:
 
 def test_api_key_flag(keyed_system):
     check_key(keyed_system, KEY)
+    check_key(keyed_system, KEY2)
+
+
+def test_each_key_is_a_tenant_of_its_own_stored_responses(keyed_system):
+    """A response stored under one key is a 404 for the other (GET, input_items, DELETE and
+    previous_response_id) and there for its own; --no-cache-usage-details leaves out the rank
+    headers and reports no cached tokens."""
+    with client(keyed_system, KEY) as a, client(keyed_system, KEY2) as b:
+        r1 = a.responses.create(model=MODEL, input="hi", max_output_tokens=3)
+        assert a.responses.retrieve(r1.id).id == r1.id
+        for call in (lambda: b.responses.retrieve(r1.id), lambda: b.responses.input_items.list(r1.id),
+                     lambda: b.responses.delete(r1.id),
+                     lambda: b.responses.create(model=MODEL, input="x", previous_response_id=r1.id,
+                                                max_output_tokens=3)):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        r2 = a.responses.create(model=MODEL, input="again", previous_response_id=r1.id, max_output_tokens=3)
+        assert r2.previous_response_id == r1.id
+        raw = a.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=2)
+        assert "x-pdserve-rank" not in raw.headers and raw.headers["x-request-id"]
+        assert raw.parse().usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_api_key_from_the_environment(tmp_path, monkeypatch):

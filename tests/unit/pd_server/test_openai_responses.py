@@ -78,6 +78,12 @@ def test_previous_response_id_continues_the_stored_chain_and_an_unknown_one_is_4
     with pytest.raises(APIError, match="not found") as e:
         with_previous(ResponsesRequest(input="x", previous_response_id="resp_zzz"), store)
     assert e.value.status == 404 and e.value.param == "previous_response_id"
+    # Another tenant's response is not found either; its own tenant's is.
+    assert store.put("resp_t", {"id": "resp_t", "output": []}, items, owner="tenant-1")
+    assert store.get("resp_t") is None and store.get("resp_t", "tenant-2") is None
+    assert store.get("resp_t", "tenant-1") is not None
+    with pytest.raises(APIError, match="not found"):
+        with_previous(ResponsesRequest(input="x", previous_response_id="resp_t"), store, "tenant-2")
 
 
 def test_the_store_is_bounded_by_count_bytes_and_time(monkeypatch):

@@ -252,3 +252,51 @@ def test_max_tokens_default_is_capped_by_the_limit():
     assert fit_max_tokens(None, 100, 2048, "max_tokens", cap=512) == 512
     assert fit_max_tokens(None, 2000, 2048, "max_tokens", cap=512) == 48
     assert fit_max_tokens(300, 100, 2048, "max_tokens", cap=512) == 300
+
+
+def test_several_keys_are_several_tenants():
+    """--api-key "k1,k2": either key is let in, each as its own tenant (a hash, not the key); a
+    key that is neither, or both as one, is a 401; x-api-key counts on Anthropic's routes."""
+    tenants = []
+
+    async def inner(scope, receive, send):
+        tenants.append(scope["state"]["tenant"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    guard = RequestGuard(inner, RouterConfig(), " k1 , k2,")
+
+    async def status(headers, path="/v1/completions"):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await guard({"type": "http", "path": path, "method": "POST", "headers": headers}, receive, send)
+        return sent[0]["status"]
+
+    async def run():
+        return [await status([(b"authorization", b"Bearer k1")]), await status([(b"authorization", b"Bearer k2")]),
+                await status([(b"x-api-key", b"k2")], "/v1/messages"), await status([(b"authorization", b"Bearer k3")]),
+                await status([(b"authorization", b"Bearer k1,k2")]), await status([(b"x-api-key", b"k1")])]
+
+    assert asyncio.run(run()) == [200, 200, 200, 401, 401, 401]
+    t1, t2, t2_again = tenants
+    assert t1 != t2 == t2_again and len(t1) == 32 and "k1" not in t1
+
+
+def test_cache_salt_from_key_folds_the_tenant_into_the_salt():
+    from types import SimpleNamespace
+
+    from pd_server.serving import ServerContext
+
+    def salt(from_key: bool, tenant: str, given):
+        ctx = SimpleNamespace(cfg=RouterConfig(cache_salt_from_key=from_key))
+        return ServerContext.tenant_salt(ctx, SimpleNamespace(scope={"state": {"tenant": tenant}}), given)
+
+    assert salt(False, "a", "s") == "s" and salt(True, "", "s") == "s" and salt(True, "", None) is None
+    assert salt(True, "a", None) != salt(True, "b", None) != salt(True, "a", "s")
+    assert salt(True, "a", "s") == salt(True, "a", "s") and len(salt(True, "a", "x" * 1024)) == 64
