@@ -80,9 +80,12 @@ def _check_recorded(library: Path) -> None:
 
 
 def _record(library: Path) -> None:
-    """Record the hash of a library just built or loaded for the first time (older caches had none)."""
+    """Record the hash of the library this process just built or loaded (under the directory's
+    flock): what the next process checks. Always, not only when none is recorded: the build step
+    may have rebuilt it (its inputs' times changed), and a stale record would make every later
+    process throw the library away and build it again."""
     record = library.with_name(library.name + ".sha256")
-    if library.exists() and not record.exists():
+    if library.exists() and (not record.exists() or record.read_text().strip() != _sha256(library)):
         tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
         tmp.write_text(_sha256(library))
         tmp.replace(record)
@@ -104,7 +107,7 @@ def load_kernel(who: str, variant: str, sources: Sequence[str], cflags: Sequence
         # 256-bit vectors: 16-float vector-extension code is then split into halves and loops are
         # vectorized at 8 lanes (the decode attention kernel ran ~15% slower from cache).
         cflags = (*cflags, "-mprefer-vector-width=512")
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(str(CSRC).encode())  # a checkout of its own: another's build files name other paths
     for rel in (*sources, *headers):
         digest.update(rel.encode() + b"\0" + (CSRC / rel).read_bytes())
     for part in (" ".join((*cflags, *ldflags, *cuda_cflags)), torch.__version__):

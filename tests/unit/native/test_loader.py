@@ -76,3 +76,32 @@ def test_the_cache_is_private_and_a_library_changed_after_its_build_is_built_aga
     build_dir.chmod(0o777)
     with pytest.raises(RuntimeError, match="refusing to load"):
         jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))
+
+
+def test_a_library_the_build_step_rebuilt_is_recorded_again(seen, monkeypatch):
+    """torch's build step rebuilds a library whose inputs' times changed: the record follows the
+    new bytes, so the next process loads it rather than throwing it away and building it again."""
+    build_dir = seen[0][0]
+    lib = build_dir / "pdserve_activation_cpu.so"
+    lib.write_bytes(b"built once")
+    jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))
+
+    def rebuild(**kw):
+        lib.write_bytes(b"built again by ninja")
+
+    monkeypatch.setattr(cpp_extension, "load", rebuild)
+    jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: None)
+    jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))
+    assert lib.read_bytes() == b"built again by ninja"  # not removed as tampered
+
+
+def test_each_checkout_builds_in_a_directory_of_its_own(seen, monkeypatch, tmp_path):
+    other = tmp_path / "other-checkout" / "csrc"
+    other.mkdir(parents=True)
+    for rel in ("elementwise/activation.cpp",):
+        (other / rel).parent.mkdir(parents=True, exist_ok=True)
+        (other / rel).write_bytes((jit.CSRC / rel).read_bytes())
+    monkeypatch.setattr(jit, "CSRC", other)
+    jit.load_kernel("test", "activation_cpu", ["elementwise/activation.cpp"], ("-O3",))
+    assert seen[-1][0] != seen[0][0] and seen[-1][0].parent == seen[0][0].parent
