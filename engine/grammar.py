@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf")
 JSON_SEPARATORS = (", ", ": ")
+# Compiled grammars a GrammarCompiler keeps (xgrammar's cache, least recently used out): one per
+# schema a client sent, in the router and in every rank, so bounded (a compiled json_schema over a
+# 49k vocabulary is ~40-120 KB here; 256 MiB holds thousands).
+GRAMMAR_CACHE_BYTES = 256 * 2**20
 _ANY_OBJECT = '{"type": "object"}'
 
 
@@ -129,7 +133,7 @@ class GrammarCompiler:
                 t = time.perf_counter()
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer(), vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_ids or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
                 log.info("grammar compiler ready in %.2fs (vocab %d)", time.perf_counter() - t, self.vocab_size)
             return self._compiler
 

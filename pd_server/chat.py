@@ -31,7 +31,7 @@ from pd_server.routing import RouteRequest
 from pd_server.sampling import check_prompt, fit_max_tokens, make_sampling
 from pd_server.serving import Choice, ServerContext, chat_logprobs, collect, new_request_id, route_headers, usage
 from pd_server.sse_response import SSEStream
-from pd_server.structured import compile_in_time, grammar_for
+from pd_server.structured import grammar_for
 from pd_server.tool_parser import ParsedToolCall, ToolCallParser, parse_tool_calls
 
 JSON = "application/json"
@@ -59,7 +59,7 @@ async def submit_chat(req: ChatCompletionRequest, ctx: ServerContext, prefix: st
                                 ctx.cfg.max_tokens_limit)
     spec = grammar_for(req)
     if spec is not None:
-        await compile_in_time(ctx.grammar_compiler(vocab), spec, ctx.cfg.grammar_timeout_s)
+        await ctx.grammar_gate.compile(ctx.grammar_compiler(vocab), spec, ctx.cfg.grammar_timeout_s)
     grammar = spec.as_wire() if spec is not None else None
     check_size(len(chat.prompt_ids), req.prompt_logprobs, "prompt_logprobs")
     # (the answer has one prompt_logprobs: choice 0 computes it)

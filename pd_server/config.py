@@ -51,6 +51,9 @@ class RouterConfig:
                                       "headers; else 408 (slowloris)")
     header_timeout_s: float = opt(10.0, "a connection must deliver a request's headers within this many seconds "
                                         "of opening (or of its previous response); else 408 and close")
+    max_connections: int = opt(0, "open client connections at most; one past it closes the oldest idle keep-alive "
+                                  "connection, else is answered 503 (0: the open-file limit, raised to its hard "
+                                  "limit, less 512)")
     max_messages: int = opt(2048, "messages per chat request; past it: 400")
     max_tokens_limit: int = opt(32768, "largest max_tokens / max_completion_tokens a request may ask for, and "
                                        "the default for one that asks for none (the context length also "
@@ -87,6 +90,8 @@ class RouterConfig:
             raise ValueError(f"rank_addr must be tcp:// or ipc://, got {self.rank_addr!r}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.max_connections < 0:
+            raise ValueError(f"max_connections must be >= 0, got {self.max_connections}")
         if self.decode_pack < -1:
             raise ValueError(f"decode_pack must be >= -1, got {self.decode_pack}")
         if self.disagg not in DISAGG_MODES:

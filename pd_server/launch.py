@@ -217,7 +217,7 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, model_dir: 
 
     from pd_server.app import build_app
     from pd_server.dispatcher import Dispatcher
-    from pd_server.http_protocol import header_timeout_protocol
+    from pd_server.http_protocol import connection_limit, header_timeout_protocol
     from pd_server.metrics import RouterMetrics
     from pd_server.prompts import ChatRenderer
     from pd_server.ranks import RankRegistry
@@ -277,7 +277,8 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, model_dir: 
     server = uvicorn.Server(uvicorn.Config(build_app(ctx), host=cfg.host, port=cfg.port, log_level="warning",
                                            access_log=False, lifespan="off", timeout_graceful_shutdown=2,
                                            timeout_keep_alive=cfg.keep_alive_s,
-                                           http=header_timeout_protocol(cfg.header_timeout_s)))
+                                           http=header_timeout_protocol(cfg.header_timeout_s,
+                                                                        connection_limit(cfg.max_connections))))
     # uvicorn captures SIGINT/SIGTERM while serving and re-raises them afterwards: make that a no-op
     # so the cleanup below always runs.
     for sig in (signal.SIGINT, signal.SIGTERM):

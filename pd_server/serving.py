@@ -24,6 +24,7 @@ from pd_server.prompts import ChatRenderer
 from pd_server.ranks import RankRegistry
 from pd_server.request_state import ClientGone, Handle
 from pd_server.security import tenant
+from pd_server.structured import CompileGate
 from pd_server.responses import (ChatLogprobs, CompletionLogprobs, LogprobEntry, TopLogprob, Usage,
                                  make_usage)
 from pd_server.sse_response import watch_disconnect
@@ -42,6 +43,7 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
     _grammars: object = None  # engine.grammar.GrammarCompiler, made on the first structured request
+    grammar_gate: CompileGate = field(default_factory=CompileGate)  # the router's compilations (structured.py)
     responses: object = None  # response_store.ResponseStore (build_app makes it from cfg)
     # Request-sized work (rendering, tokenizing, large response bodies) runs here, never on the
     # event loop: the loop also carries every stream's tokens and the ranks' heartbeats, and a

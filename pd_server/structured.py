@@ -14,19 +14,27 @@ A forced tool_choice wins over response_format (the output is a call, not a mess
 text the grammar makes is what tool_parser.py reads back, so streaming and non-streaming
 responses carry the same calls, with finish_reason "tool_calls".
 
-The router compiles each grammar against its tokenizer (xgrammar caches it by spec) in a worker
-thread, within --grammar-timeout-s: an invalid or unsupported schema, or one too slow to
-compile, is a 400 naming it before the request is routed. Ranks compile the same spec again
-(their own cache) when the request arrives.
+The router compiles each grammar against its tokenizer (xgrammar caches it by spec, up to
+engine.grammar.GRAMMAR_CACHE_BYTES) on one of CompileGate's two threads, within
+--grammar-timeout-s: an invalid or unsupported schema, or one too slow to compile, is a 400
+naming it before the request is routed, and the gate remembers it (the same spec again is that
+400 at once: a slow schema sent over and over cannot keep the threads busy, and no rank ever
+compiles a spec the router could not compile in time). xgrammar cannot be interrupted: a
+compilation past its timeout runs on to its end on its thread; while every thread holds one, a
+new grammar is a 503 (retry later). Ranks compile the same spec again (their own cache) when the
+request arrives.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 from engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, schema_ebnf, to_grammar
 from pd_server.api_models import ChatCompletionRequest, NamedToolChoice
-from pd_server.errors import bad_request
+from pd_server.errors import APIError, bad_request
 
 _ANY_OBJECT = {"type": "object"}
 CLOSE = "\\n</tool_call>"  # EBNF string literal text
@@ -68,13 +76,48 @@ def grammar_for(req: ChatCompletionRequest) -> GrammarSpec | None:
     return spec
 
 
-async def compile_in_time(compiler: GrammarCompiler, spec: GrammarSpec, timeout_s: float) -> None:
-    """Compile `spec` in a worker thread; a 400 when it is invalid or takes over timeout_s (the
-    thread runs on to its end: xgrammar cannot be interrupted)."""
-    try:
-        await asyncio.wait_for(asyncio.to_thread(compiler.compile, spec), timeout_s)
-    except GrammarError as e:
-        raise bad_request(str(e), "response_format" if spec.kind.startswith("json") else "tools") from None
-    except TimeoutError:
-        raise bad_request(f"the {spec.kind} grammar did not compile within {timeout_s:g}s "
-                          "(--grammar-timeout-s); simplify the schema") from None
+class CompileGate:
+    """The router's grammar compilations (see the module docstring): `workers` threads, and the
+    specs that failed or ran past their timeout (the last `remember` of them). Used from the
+    event loop only."""
+
+    def __init__(self, workers: int = 2, remember: int = 4096) -> None:
+        self.workers, self.remember = workers, remember
+        self._pool: ThreadPoolExecutor | None = None  # started by the first compilation
+        self.overdue = 0  # compilations still running past their request's timeout
+        self._refused: OrderedDict[tuple[str, bytes], str] = OrderedDict()
+
+    async def compile(self, compiler: GrammarCompiler, spec: GrammarSpec, timeout_s: float) -> None:
+        """Compile `spec`; a 400 when it is invalid or takes over timeout_s (or did before), a 503
+        while every thread runs a compilation past its timeout."""
+        key = (spec.kind, hashlib.sha256(spec.text.encode()).digest())
+        param = "response_format" if spec.kind.startswith("json") else "tools"
+        if key in self._refused:
+            self._refused.move_to_end(key)
+            raise bad_request(self._refused[key], param)
+        if self.overdue >= self.workers:
+            raise APIError(503, "every grammar compiler thread is busy with a schema that ran past "
+                                "--grammar-timeout-s; retry later", code="grammar_compiler_busy")
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="grammar-compile")
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, compiler.compile, spec)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except GrammarError as e:
+            raise bad_request(self._refuse(key, str(e)), param) from None
+        except TimeoutError:
+            self.overdue += 1
+            fut.add_done_callback(self._overdue_done)
+            raise bad_request(self._refuse(key, f"the {spec.kind} grammar did not compile within {timeout_s:g}s "
+                                                "(--grammar-timeout-s); simplify the schema"), param) from None
+
+    def _refuse(self, key: tuple[str, bytes], message: str) -> str:
+        self._refused[key] = message
+        while len(self._refused) > self.remember:
+            self._refused.popitem(last=False)
+        return message
+
+    def _overdue_done(self, fut) -> None:
+        self.overdue -= 1
+        if not fut.cancelled():
+            fut.exception()  # (retrieved: a late GrammarError is not "never retrieved")

@@ -11,7 +11,7 @@ import pytest
 from engine.grammar import GrammarSpec
 from pd_server.api_models import ChatCompletionRequest
 from pd_server.errors import APIError
-from pd_server.structured import compile_in_time, grammar_for
+from pd_server.structured import CompileGate, grammar_for
 from pd_server.tool_parser import parse_tool_calls
 
 xgr = pytest.importorskip("xgrammar")
@@ -81,11 +81,39 @@ def test_bad_schemas_name_the_field(kw, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-def test_compile_time_limit():
+def test_compile_time_limit_and_the_gate():
+    """Past the timeout: a 400, and the same spec again is that 400 at once (nothing compiles);
+    while every thread runs a compilation past its timeout, a new grammar is a 503; once they end,
+    compilations go on."""
+    import threading
+
+    release = threading.Event()
+    calls = []
+
     class Slow:
         def compile(self, spec):
-            time.sleep(0.5)
+            calls.append(spec.text)
+            if spec.text.startswith("slow"):
+                release.wait(5)
 
-    with pytest.raises(APIError, match="did not compile within 0.05s") as e:
-        asyncio.run(compile_in_time(Slow(), GrammarSpec("json_object"), 0.05))
-    assert e.value.status == 400
+    async def run():
+        gate = CompileGate(workers=2)
+        for text in ("slow-1", "slow-2"):
+            with pytest.raises(APIError, match="did not compile within 0.05s") as e:
+                await gate.compile(Slow(), GrammarSpec("json_schema", text), 0.05)
+            assert e.value.status == 400 and e.value.param == "response_format"
+        assert gate.overdue == 2
+        with pytest.raises(APIError, match="did not compile within"):
+            await gate.compile(Slow(), GrammarSpec("json_schema", "slow-1"), 5)  # remembered
+        with pytest.raises(APIError) as e:
+            await gate.compile(Slow(), GrammarSpec("json_schema", "fast"), 5)
+        assert e.value.status == 503
+        release.set()
+        for _ in range(100):
+            if not gate.overdue:
+                break
+            await asyncio.sleep(0.02)
+        await gate.compile(Slow(), GrammarSpec("json_schema", "fast"), 5)
+        return calls
+
+    assert asyncio.run(run()) == ["slow-1", "slow-2", "fast"]
