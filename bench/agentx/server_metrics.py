@@ -7,7 +7,11 @@
     request in each phase (pd_server/metrics.py `phase_durations`: queue, prefill_wait,
     prefill; PD adds stage, admission_wait, transfer, first_decode; decode);
   * completion tokens per request, to spread the phases after the first token over the
-    inter-token gaps.
+    inter-token gaps;
+  * prefix hit by tier: of the prompt tokens the ranks looked up in their host caches
+    (pdserve_rank_host_cache_lookup_tokens; in PD decode ranks' handoff lookups count too), the
+    share the host cache served and the share the L3 store did (pdserve_rank_kv_store_hit_tokens),
+    and the KV bytes decode ranks pulled from prefill ranks per request (pdserve_rank_transfer_bytes).
 
 A server without pdserve's counters but with vLLM's (`vllm:prefix_cache_queries_total` and
 `vllm:prefix_cache_hits_total`, prompt tokens looked up in and found in its prefix cache) gets
@@ -63,10 +67,27 @@ class ServerDelta:
     completion_tokens: float
     finished: float  # requests with phase times (the `decode` phase count)
     phase_mean_s: dict[str, float]  # phase -> seconds per request that had it
+    lookup_tokens: float = 0.0  # prompt tokens the ranks looked up in their host caches
+    host_hit_tokens: float = 0.0  # of those, served from the host cache (L3 reads included)
+    l3_hit_tokens: float = 0.0  # of those, read from the L3 store first
+    transfer_bytes: float = 0.0  # KV decode ranks pulled from prefill ranks
 
     @property
     def prefix_hit_rate(self) -> float | None:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @property
+    def host_hit_rate(self) -> float | None:
+        """Of the tokens looked up, those the host cache had (not read from the L3 first)."""
+        return (self.host_hit_tokens - self.l3_hit_tokens) / self.lookup_tokens if self.lookup_tokens else None
+
+    @property
+    def l3_hit_rate(self) -> float | None:
+        return self.l3_hit_tokens / self.lookup_tokens if self.lookup_tokens else None
+
+    @property
+    def kv_mib_per_request(self) -> float | None:
+        return self.transfer_bytes / self.finished / 2**20 if self.finished else None
 
     @property
     def mean_output_tokens(self) -> float | None:
@@ -92,6 +113,8 @@ class ServerDelta:
         ttft, itl = self.dominant(TTFT_PHASES), self.dominant(ITL_PHASES)
         return {"prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_tokens,
                 "completion_tokens": self.completion_tokens, "prefix_hit_rate": self.prefix_hit_rate,
+                "host_hit_rate": self.host_hit_rate, "l3_hit_rate": self.l3_hit_rate,
+                "kv_mib_per_request": self.kv_mib_per_request,
                 "phase_mean_ms": {p: v * 1000 for p, v in self.phase_mean_s.items()},
                 "itl_phase_ms_per_token": self.itl_share_ms(),
                 "ttft_dominant_phase": ttft[0] if ttft else None, "ttft_dominant_share": ttft[1] if ttft else None,
@@ -115,4 +138,8 @@ def diff(before: Samples, after: Samples) -> ServerDelta:
         prompt, cached = d("vllm:prefix_cache_queries_total"), d("vllm:prefix_cache_hits_total")
     return ServerDelta(prompt_tokens=prompt, cached_tokens=cached,
                        completion_tokens=d("pdserve_completion_tokens_total"),
-                       finished=d("pdserve_phase_seconds_count", phase="decode"), phase_mean_s=means)
+                       finished=d("pdserve_phase_seconds_count", phase="decode"), phase_mean_s=means,
+                       lookup_tokens=d("pdserve_rank_host_cache_lookup_tokens"),
+                       host_hit_tokens=d("pdserve_rank_host_cache_hit_tokens"),
+                       l3_hit_tokens=d("pdserve_rank_kv_store_hit_tokens"),
+                       transfer_bytes=d("pdserve_rank_transfer_bytes"))

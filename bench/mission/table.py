@@ -37,6 +37,9 @@ METRICS = {
     "itl_p50": (("client", "itl_ms", "p50"), "ITL p50 ms", "{:.1f}"),
     "itl_p99": (("client", "itl_ms", "p99"), "ITL p99 ms", "{:.1f}"),
     "prefix_hit": (("server", "prefix_hit_rate"), "prefix hit", "{:.1%}"),
+    "host_hit": (("server", "host_hit_rate"), "host-cache hit", "{:.1%}"),
+    "l3_hit": (("server", "l3_hit_rate"), "L3 hit", "{:.1%}"),
+    "kv_mib": (("server", "kv_mib_per_request"), "KV MiB pulled / request", "{:.1f}"),
 }
 RATIO_METRICS = ("out_tok_s", "ttft_p50", "itl_p50")
 _RATIO_HEAD = {"out_tok_s": "tok/s", "ttft_p50": "TTFT p50", "itl_p50": "ITL p50"}
@@ -249,7 +252,9 @@ def markdown(summary: dict) -> str:
              "Medians over the repeats (requests and errors: summed; runs: repeats with numbers / "
              "starts). start s: seconds from the start command to /health ready. Prefix hit: share "
              "of prompt tokens served from the server's prefix caches (its /metrics around the "
-             "load; '-' where it exposes none). X / REF: this row's median over REF's at the same "
+             "load; '-' where it exposes none); by tier: of the tokens the ranks looked up in their host "
+             "caches, those the host cache held and those read from the L3 store; KV MiB pulled: what "
+             "decode ranks read from prefill ranks per request. X / REF: this row's median over REF's at the same "
              "load (tok/s above 1 and TTFT/ITL below 1 are better).", "",
              table(rows, summary.get("ratio_to", [])), ""]
     checks = goals(runs, rows)

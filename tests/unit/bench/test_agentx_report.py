@@ -33,6 +33,12 @@ pdserve_phase_seconds_sum{phase="transfer"} 0.4
 pdserve_phase_seconds_count{phase="decode"} 30.0
 pdserve_phase_seconds_sum{phase="decode"} 21.0
 pdserve_phase_seconds_bucket{phase="decode",le="0.5"} 9.0
+pdserve_rank_host_cache_lookup_tokens{rank="prefill-0"} 3000.0
+pdserve_rank_host_cache_lookup_tokens{rank="decode-0"} 1000.0
+pdserve_rank_host_cache_hit_tokens{rank="prefill-0"} 2400.0
+pdserve_rank_host_cache_hit_tokens{rank="decode-0"} 800.0
+pdserve_rank_kv_store_hit_tokens{rank="prefill-0"} 400.0
+pdserve_rank_transfer_bytes{rank="decode-0"} 41943040.0
 """
 
 
@@ -45,6 +51,9 @@ def test_diff_gives_hit_rate_phase_means_and_dominant_phases():
     assert d.itl_share_ms() == pytest.approx({"transfer": 20 / 15, "decode": 800 / 15})
     j = d.to_json()
     assert j["itl_dominant_phase"] == "decode" and j["ttft_dominant_phase"] == "prefill"
+    # prefix hit by tier (the ranks' counters, summed over ranks) and KV pulled per request
+    assert j["host_hit_rate"] == pytest.approx(2800 / 4000) and j["l3_hit_rate"] == pytest.approx(400 / 4000)
+    assert j["kv_mib_per_request"] == pytest.approx(40 / 20)
 
 
 def test_diff_without_traffic_has_no_rate_or_phase():
