@@ -383,6 +383,7 @@ class HostCache:
         return {**asdict(c),
                 "l3": self.l3.kind if self.l3 is not None else None,
                 "bytes_l3_written": w.written_bytes if w else 0, "l3_write_errors": w.errors if w else 0,
+                "seconds_l3_written": w.write_seconds if w else 0.0,
                 "hit_rate": c.hits / c.lookups if c.lookups else 0.0,
                 "token_hit_rate": c.hit_tokens / c.lookup_tokens if c.lookup_tokens else 0.0,
                 "pages_used": len(self.index), "pages_total": self.pool.num_pages,

@@ -267,6 +267,7 @@ class StoreWriter:
         self.max_pending_bytes = max_pending_bytes
         self.pending_bytes = 0
         self.written_bytes = 0
+        self.write_seconds = 0.0  # time in store.write, since start
         self.errors = 0
         self._queue: collections.deque = collections.deque()
         self._done: collections.deque = collections.deque()
@@ -298,6 +299,7 @@ class StoreWriter:
                 if not self._queue:
                     return
                 name, view, token = self._queue.popleft()
+            t0 = time.perf_counter()
             try:
                 self.store.write(name, view)
                 self.written_bytes += view.nbytes
@@ -305,6 +307,7 @@ class StoreWriter:
                 self.errors += 1
                 if self.errors <= 3:
                     log.exception("kv store write of %s failed", name)
+            self.write_seconds += time.perf_counter() - t0
             self._done.append(token)  # (before pending_bytes drops: a waiter that sees 0 finds every token)
             with self._cv:
                 self.pending_bytes -= view.nbytes

@@ -92,6 +92,10 @@ class RouterMetrics:
                                      "since the rank started", ["rank"], registry=r)
         self.rank_store_bytes = Gauge("pdserve_rank_kv_store_bytes", "bytes a rank read from or wrote to the L3 "
                                       "store, since it started", ["rank", "direction"], registry=r)
+        self.rank_store_seconds = Gauge("pdserve_rank_kv_store_seconds", "seconds a rank spent reading from or "
+                                        "writing to the L3 store, since it started (over the bytes: its "
+                                        "throughput; reads are in a request's time to first token)",
+                                        ["rank", "direction"], registry=r)
         self.handoff_pulled = Counter("pdserve_handoff_pulled_tokens", "prompt tokens whose KV a decode rank "
                                       "read from a prefill rank", ["rank"], registry=r)
         self.handoff_reused = Counter("pdserve_handoff_reused_tokens", "prompt tokens of a handoff whose KV the "
@@ -112,6 +116,8 @@ class RouterMetrics:
         self.rank_store_hits.labels(rank).set(now.kv_store_hit_tokens)
         self.rank_store_bytes.labels(rank, "read").set(now.kv_store_read_bytes)
         self.rank_store_bytes.labels(rank, "written").set(now.kv_store_written_bytes)
+        self.rank_store_seconds.labels(rank, "read").set(now.kv_store_read_seconds)
+        self.rank_store_seconds.labels(rank, "written").set(now.kv_store_write_seconds)
         if role != "decode":
             return
         for counter, total, before in ((self.handoff_pulled, now.handoff_pulled_tokens,

@@ -89,7 +89,9 @@ class RankLoop:
                          host_cache_lookup_tokens=hc.get("lookup_tokens", 0),
                          host_cache_hit_tokens=hc.get("hit_tokens", 0),
                          kv_store_hit_tokens=hc.get("l3_hit_tokens", 0), kv_store_read_bytes=hc.get("bytes_l3_read", 0),
-                         kv_store_written_bytes=hc.get("bytes_l3_written", 0), **self.extra_stats())
+                         kv_store_written_bytes=hc.get("bytes_l3_written", 0),
+                         kv_store_read_seconds=hc.get("seconds_l3_read", 0.0),
+                         kv_store_write_seconds=hc.get("seconds_l3_written", 0.0), **self.extra_stats())
 
     def extra_stats(self) -> dict:
         return {}

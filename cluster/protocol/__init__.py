@@ -35,7 +35,7 @@ from typing import Literal
 # (kv_store_hit_tokens, kv_store_read_bytes, kv_store_written_bytes) and handoff counters
 # (handoff_pulled_tokens, handoff_reused_tokens: a decode rank reads only what it lacks).
 # 9 added Hello.cache_group (ranks sharing one host cache), Sampling.cache_salt and Sampling.logit_bias.
-# 10: Sampling.prompt_logprobs, TokenEvent.prompt_logprobs.
+# 10: Sampling.prompt_logprobs, TokenEvent.prompt_logprobs, RankStats' L3 seconds.
 PROTOCOL_VERSION = 10
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (cluster/auth.py).

@@ -123,6 +123,8 @@ class RankStats(msgspec.Struct, frozen=True, array_like=True, tag="stats"):
     kv_store_written_bytes: int = 0  # bytes written to it, since start
     handoff_pulled_tokens: int = 0  # decode: prompt tokens whose KV was read from a prefill rank, since start
     handoff_reused_tokens: int = 0  # decode: prompt tokens whose KV its own host cache held (not read)
+    kv_store_read_seconds: float = 0.0  # time in L3 store reads (lookups that read), since start
+    kv_store_write_seconds: float = 0.0  # time in L3 store writes (the writer thread), since start
 
 
 class RequestError(msgspec.Struct, frozen=True, array_like=True, tag="error"):

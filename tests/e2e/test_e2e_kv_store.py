@@ -49,6 +49,7 @@ def test_a_prefix_is_a_hit_on_another_rank_and_after_a_restart(tmp_path):
         system.wait_until(lambda: metric(system, "pdserve_rank_kv_store_hit_tokens") == cached2, 10,
                           "the ranks' stats to count the store's hit")  # (stats come every 0.5 s)
         assert metric(system, "pdserve_rank_kv_store_bytes") > 0
+        assert metric(system, "pdserve_rank_kv_store_seconds") > 0  # the store's latency (reads and writes)
     finally:
         stop_system(system)
     system = start_system(tmp_path / "b", ["--colocated", "1", "--kv-store", store, *COMMON], timeout=420)
