@@ -199,6 +199,10 @@ class EngineConfig:
     # per-step token budget (chunked prefill); vLLM's online-serving default. A prompt over it is
     # prefilled in chunks; each chunk step also runs the running decodes (their ITL grows with it).
     max_num_batched_tokens: int = 2048
+    # A step takes further prompts only up to this many prompt tokens in all (its first prompt
+    # chunk may take the whole budget): prompts are prefilled one after another, each first
+    # token sooner (engine/scheduler.py); 0: prompts fill the budget.
+    prefill_pack_tokens: int = 256
     max_model_len: int = 0  # 0 -> the model's max_position, capped by the KV pool
     num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     # Host KV cache (hicache/): GiB of shared memory for pages and SWA states; 0 disables it.
@@ -231,6 +235,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.kv_cache_gb <= 0:
             raise ValueError("kv_cache_gb must be > 0")
+        if self.prefill_pack_tokens < 0:
+            raise ValueError(f"prefill_pack_tokens must be >= 0, got {self.prefill_pack_tokens}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.hicache_size_gb < 0 or self.hicache_state_slots < 0:

@@ -63,7 +63,7 @@ class LLMEngine(StepBounds):
         self.model_cfg = self.runner.model_cfg
         self.pool = self.runner.pool
         self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.prefill_pack_tokens)
         self.scheduler.on_admit = self._on_admit
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

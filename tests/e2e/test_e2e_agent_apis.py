@@ -253,6 +253,11 @@ def test_previous_response_id_continues_a_stored_conversation(system):
     assert events[-1].response.output_text == r2.output_text
     r3 = c.responses.create(input="And again?", previous_response_id=events[-1].response.id, **kw)
     assert r3.usage.input_tokens > r2.usage.input_tokens
+    whole = c.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "user", "content": "My name is Ada. Remember it."}, {"role": "assistant", "content": r1.output_text},
+        {"role": "user", "content": "What is my name?"}, {"role": "assistant", "content": r2.output_text},
+        {"role": "user", "content": "And again?"}])
+    assert r3.output_text == whole.choices[0].message.content  # the third turn: the whole conversation's
     if any(r["host_cache_pages"] is not None for r in system.ranks().values()):  # (pd_handoff_system has none)
         # The chain's prompt so far was stored by the host cache: its whole pages are a hit.
         assert r3.usage.input_tokens_details.cached_tokens >= r2.usage.input_tokens // 16 * 16 - 16

@@ -194,7 +194,8 @@ def test_float32_plan_matches_the_modules_bit_for_bit():
     its quant copy, and the model its plan."""
     from engine.models.llama_plan_f32 import LlamaDecodePlanF32
 
-    eng = LLMEngine(EngineConfig(dtype="float32", num_threads=1, kv_cache_gb=0.1, max_num_batched_tokens=512))
+    eng = LLMEngine(EngineConfig(dtype="float32", num_threads=1, kv_cache_gb=0.1, max_num_batched_tokens=512,
+                                 prefill_pack_tokens=0))  # (all four prompts in one step)
     try:
         model = eng.runner.model
         plan = model.decode_plan()

@@ -70,3 +70,24 @@ def test_max_num_seqs_caps_running():
         s.add(Sequence(f"r{i}", [1, 2], P))
     out = s.schedule()
     assert len(out.scheduled) == 2 and len(s.waiting) == 1
+
+
+def test_prompts_one_after_another_past_pack_tokens():
+    """The first prompt chunk takes what the budget allows; further prompts join the step only up
+    to pack_tokens prompt tokens in all (short ones still share a step); decodes ride along."""
+    s = _sched(num_pages=32, budget=16)
+    s.pack_tokens = 4
+    a, b, c = Sequence("a", [1] * 6, P), Sequence("b", [1] * 10, P), Sequence("c", [1] * 2, P)
+    for q in (a, b, c):
+        s.add(q)
+    out = s.schedule()
+    assert [(q.request_id, n) for q, n in out.scheduled] == [("a", 6)] and list(s.waiting) == [b, c]
+    _run(s, out)
+    out = s.schedule()  # a's decode row is no prompt token: b gets its whole prompt; c waits
+    assert [(q.request_id, n) for q, n in out.scheduled] == [("a", 1), ("b", 10)] and list(s.waiting) == [c]
+    s = _sched(num_pages=32, budget=16)
+    s.pack_tokens = 8
+    for name, n in (("x", 2), ("y", 3), ("z", 5)):
+        s.add(Sequence(name, [1] * n, P))
+    out = s.schedule()  # 2 + 3, then z's first 3 tokens: 8 in all
+    assert [(q.request_id, n) for q, n in out.scheduled] == [("x", 2), ("y", 3), ("z", 3)]
