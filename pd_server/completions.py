@@ -52,7 +52,7 @@ async def create_completion(req: CompletionRequest, request: Request, ctx: Serve
     headers = route_headers(handle, rid, ctx.cfg.cache_usage_details)
     echoes = [_echo(ctx, req, p) for p in req.prompts] if req.echo else None
     if req.stream:
-        return SSEStream(handle, _CompletionStream(ctx, req, handle, rid, echoes, [w[0] for w in work]), headers)
+        return SSEStream(handle, _CompletionStream(ctx, req, handle, rid, echoes, prompts), headers)
     choices = await collect(handle, request.receive, not ctx.cfg.cache_usage_details)
 
     def build() -> bytes:  # prompts x n x max_tokens x logprobs entries: request-sized work
@@ -87,7 +87,7 @@ class _CompletionStream:
     (whose event brings the prompt's logprobs). With max_tokens 0 the token itself is left out."""
 
     def __init__(self, ctx: ServerContext, req: CompletionRequest, handle, rid: str, echoes: list[str] | None,
-                 prompt_ids: list[list[int]]) -> None:
+                 prompt_ids: list[list[int]]) -> None:  # (prompt_ids: one per prompt, as echoes)
         self.ctx, self.req, self.rid, self.echoes, self.prompt_ids = ctx, req, rid, echoes, prompt_ids
         self.created, self.model = int(time.time()), ctx.model_name
         n = len(handle.sub_ids)

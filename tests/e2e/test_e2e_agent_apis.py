@@ -345,6 +345,11 @@ def test_echo_max_tokens_0_and_prompt_logprobs(system, reference):
     first = chunks[0].choices[0]
     assert first.text == r.choices[0].text and first.logprobs.token_logprobs == r.choices[0].logprobs.token_logprobs
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    # two prompts x n=2, streamed: each choice's echo carries its own prompt's logprobs
+    two = [prompt, LM_EVAL_BODY["prompt"][1][-5:]]
+    chunks = list(c.completions.create(model=MODEL, prompt=two, max_tokens=0, echo=True, logprobs=1, n=2, stream=True))
+    echo = {ch.choices[0].index: ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs}
+    assert {i: len(lp.tokens) for i, lp in echo.items()} == {0: len(prompt), 1: len(prompt), 2: 5, 3: 5}
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
     got = httpx.post(system.url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["prompt_logprobs"]
     chat = httpx.post(system.url + "/v1/chat/completions", timeout=300, json={
