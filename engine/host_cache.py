@@ -24,6 +24,28 @@ class HostCacheLike(Protocol):
         """After a step: store the prompts of `scheduled` that reached a store point."""
         ...
 
+    def prefetch(self, tokens: list[int], salt: str = "", wait_s_per_page: float = 0.0) -> object | None:
+        """Start reading ahead, off the engine thread, the prompt's pages a slower tier holds past
+        the host hit; None when there is nothing to read. The request waits outside the queue
+        until `prefetch_ready`, then the engine `adopt`s the job (or `cancel`s it), once."""
+        ...
+
+    def prefetch_ready(self, job: object, now: float) -> bool:
+        """The job is done or past its deadline (`now`: time.monotonic())."""
+        ...
+
+    def wait_prefetch(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` or until some job is done."""
+        ...
+
+    def adopt(self, job: object) -> int:
+        """Index what the job read as host pages (admission then finds them); returns how many."""
+        ...
+
+    def cancel(self, job: object) -> None:
+        """Drop the job of a request that went away."""
+        ...
+
     def stats(self) -> dict:
         """Counters for LLMEngine.stats()["hicache"]."""
         ...

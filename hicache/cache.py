@@ -18,10 +18,11 @@ A request's life with the cache, as the engine drives it (engine/llm_engine.py):
      A full cache stores fewer pages, never raises.
   5. L3 (`kv_store`, hicache/store.py), when set: every page and state stored in step 3 is
      also written to the store by a writer thread (the node stays pinned until written:
-     single-node pins, which eviction's leaf check keeps safe); a lookup (step 1) reads the
-     pages past its host hit that the store holds into host pages first, so they load like
-     host hits. The store is shared (the ranks of a host, the next start): what one rank
-     computed is a hit on the others.
+     single-node pins, which eviction's leaf check keeps safe). Before admission the engine
+     has the pages past a prompt's host hit that the store holds read ahead (`prefetch`,
+     hicache/prefetch.py: a thread of its own, a deadline) and `adopt`s them into host pages,
+     so they load like host hits and no step waits on the store. The store is shared (the
+     ranks of a host, the next start): what one rank computed is a hit on the others.
 
 Store points (hybrid models): the SWA ring after prefill holds the last `window`
 tokens as of the prompt's end, but a stored state must be as of a page boundary.
@@ -46,11 +47,18 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVPool
 from engine.sequence import Sequence
 from hicache.index import Node, PrefixIndex, page_keys, salted_root
-from hicache.l3 import read_into_host, write_through
+from hicache.l3 import adopt, read_into_host, write_through
 from hicache.build import build_parts
 from hicache.pool import HostPool
+from hicache.prefetch import Prefetcher, PrefetchJob
 from hicache.store import KVStore, StoreWriter
 from native.page_copy import copy_pages
+
+
+# L3 read-ahead: the staging memory of one rank's Prefetcher (at most the size of its host pool),
+# and the least a request waits for its prefetch (the engine adds a share of the compute it saves).
+PREFETCH_STAGING_BYTES = 256 * 2**20
+MIN_PREFETCH_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,9 @@ class HostCacheStats:
     bytes_l3_read: int = 0
     seconds_l3_read: float = 0.0
     l3_queued_pages: int = 0  # pages and states queued for a write to L3
+    l3_prefetches: int = 0  # requests whose pages past the host hit were looked for in L3 ahead
+    l3_prefetch_late: int = 0  # of those, requests that stopped waiting at their deadline
+    seconds_l3_prefetch_wait: float = 0.0  # arrival to adoption, summed over prefetches
     l3_skipped_pages: int = 0  # stored pages and states the writer had no room to queue
 
 
@@ -118,6 +129,12 @@ class HostCache:
         self.l3 = store  # the L3 tier, or None
         self.shared = getattr(index, "shared", False)  # a SharedIndex: the host's one cache (shared_index.py)
         self.writer = StoreWriter(store) if store is not None else None
+        self.prefetcher = None
+        if store is not None:
+            lay = pool.layout
+            self.prefetcher = Prefetcher(store, lay.page_shape, lay.state_shape, lay.torch_dtype,
+                                         max_staging_bytes=min(PREFETCH_STAGING_BYTES, lay.num_pages * lay.page_bytes
+                                                                     + lay.num_states * lay.state_bytes))
 
     @classmethod
     def for_engine(cls, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> "HostCache":
@@ -129,6 +146,9 @@ class HostCache:
         return cls(pool, index, has_swa=bool(model_cfg.swa_layers), store=store)
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
         if self.writer is not None:
             self.writer.close()  # what is queued reaches the store first (the pool's memory is still mapped)
             self.writer = None
@@ -139,16 +159,19 @@ class HostCache:
         self.pool.close()
 
     # ---- lookup and load -------------------------------------------------------------
-    def lookup(self, tokens: Seq[int], need_state: bool | None = None, salt: str = "") -> Hit:
+    def lookup(self, tokens: Seq[int], need_state: bool | None = None, salt: str = "",
+               from_l3: bool = True) -> Hit:
         """Longest usable stored prefix of `tokens`, pinned (see PrefixIndex.lookup), after
-        reading what the L3 store adds to the host cache's hit into host pages. `need_state`
-        (default: hybrid models) ends the hit at a stored SWA state; False for pages alone (a
-        decode rank whose handoff brings the state). `salt`: the request's cache_salt (only
-        pages stored under the same salt are a hit)."""
+        reading what the L3 store adds to the host cache's hit into host pages (`from_l3`; this
+        thread waits on the store: the engine prefetches instead). `need_state` (default:
+        hybrid models) ends the hit at a stored SWA state; False for pages alone (a decode rank
+        whose handoff brings the state). `salt`: the request's cache_salt (only pages stored
+        under the same salt are a hit)."""
         need_state = self.has_swa if need_state is None else need_state
         root = salted_root(self.index.root, salt)
         self._unpin_written()
-        on_host, from_l3 = read_into_host(self, tokens, need_state, root) if self.l3 is not None else (0, 0)
+        on_host, from_l3 = (read_into_host(self, tokens, need_state, root) if self.l3 is not None and from_l3
+                            else (0, 0))
         path = self.index.lookup_and_pin(tokens, need_state, root)
         c = self.counters
         c.lookups += 1
@@ -158,6 +181,53 @@ class HostCache:
             c.hit_tokens += len(path) * self.page_size
             c.l3_hit_tokens += max(0, min(len(path), on_host + from_l3) - on_host) * self.page_size
         return Hit(path, self.page_size)
+
+    # ---- L3 read-ahead (hicache/prefetch.py) ------------------------------------------------
+    def prefetch(self, tokens: Seq[int], salt: str = "", wait_s_per_page: float = 0.0) -> PrefetchJob | None:
+        """Start reading the pages of `tokens` past the host hit that the L3 store holds; None
+        when there is no store or nothing past the host hit. The request should wait for the
+        job (`prefetch_ready`) at most MIN_PREFETCH_WAIT_S + `wait_s_per_page` a page it looks
+        for, then `adopt` it (or `cancel` it), once."""
+        if self.prefetcher is None:
+            return None
+        ps = self.page_size
+        keys = page_keys(tokens, ps, salted_root(self.index.root, salt), max(len(tokens) - 1, 0) // ps)
+        host = self.index.match_and_pin(keys)
+        self.index.unpin(host)
+        if len(host) == len(keys):
+            return None
+        wait = MIN_PREFETCH_WAIT_S + wait_s_per_page * (len(keys) - len(host))
+        job = PrefetchJob(keys, len(host), self.has_swa, time.monotonic() + wait)
+        self.prefetcher.submit(job)
+        self.counters.l3_prefetches += 1
+        return job
+
+    def prefetch_ready(self, job: PrefetchJob, now: float) -> bool:
+        """The job is done, or its request has waited long enough (time.monotonic() `now`)."""
+        return job.done or now >= job.deadline
+
+    def wait_prefetch(self, timeout_s: float) -> None:
+        """Block up to `timeout_s`, or until some prefetch finishes."""
+        if self.prefetcher is not None:
+            self.prefetcher.wait_any(timeout_s)
+
+    def adopt(self, job: PrefetchJob) -> int:
+        """Index what `job` read (it reads no more) as host pages; returns how many pages."""
+        c = self.counters
+        c.l3_prefetch_late += not job.done
+        try:
+            n = adopt(self, job)
+        finally:
+            self.prefetcher.release(job)
+            c.seconds_l3_prefetch_wait += time.monotonic() - job.submitted
+        if n and (not job.need_state or job.state_ok):  # a hit for the lookup that follows
+            c.l3_hit_tokens += n * self.page_size
+        return n
+
+    def cancel(self, job: PrefetchJob) -> None:
+        """Drop a job whose request went away."""
+        job.stop()
+        self.prefetcher.release(job)
 
     def _unpin_written(self) -> None:
         if self.writer is not None:
@@ -316,7 +386,8 @@ class HostCache:
             return True
         # A request that wants its prompt's logprobs computes every position (a hit has no
         # logits); its pages are still stored.
-        hit = self.lookup(seq.token_ids, salt=seq.params.cache_salt) if seq.prompt_lp is None else None
+        hit = (self.lookup(seq.token_ids, salt=seq.params.cache_salt, from_l3=self.prefetcher is None)
+               if seq.prompt_lp is None else None)
         if hit is not None and hit.path:
             if len(hit.path) > kv.free_pages:
                 self.release(hit)
@@ -380,7 +451,13 @@ class HostCache:
     def stats(self) -> dict:
         c = self.counters
         w = self.writer
-        return {**asdict(c),
+        pf = self.prefetcher
+        out = asdict(c)
+        if pf is not None:
+            out["bytes_l3_read"] += pf.read_bytes
+            out["seconds_l3_read"] += pf.read_seconds
+            out["l3_read_failures"] += pf.failures
+        return {**out,
                 "l3": self.l3.kind if self.l3 is not None else None,
                 "bytes_l3_written": w.written_bytes if w else 0, "l3_write_errors": w.errors if w else 0,
                 "seconds_l3_written": w.write_seconds if w else 0.0,

@@ -96,6 +96,14 @@ class RouterMetrics:
                                         "writing to the L3 store, since it started (over the bytes: its "
                                         "throughput; reads are in a request's time to first token)",
                                         ["rank", "direction"], registry=r)
+        self.rank_store_prefetches = Gauge("pdserve_rank_kv_store_prefetches", "requests whose pages past the "
+                                           "host-cache hit a rank read ahead from the L3 store before admitting "
+                                           "them, since it started: in_time (the read finished), late (the "
+                                           "request stopped waiting at its deadline: a slow store)",
+                                           ["rank", "outcome"], registry=r)
+        self.rank_store_prefetch_wait = Gauge("pdserve_rank_kv_store_prefetch_wait_seconds", "seconds requests "
+                                              "waited for their L3 read-ahead on a rank, summed, since it started",
+                                              ["rank"], registry=r)
         self.handoff_pulled = Counter("pdserve_handoff_pulled_tokens", "prompt tokens whose KV a decode rank "
                                       "read from a prefill rank", ["rank"], registry=r)
         self.handoff_reused = Counter("pdserve_handoff_reused_tokens", "prompt tokens of a handoff whose KV the "
@@ -118,6 +126,9 @@ class RouterMetrics:
         self.rank_store_bytes.labels(rank, "written").set(now.kv_store_written_bytes)
         self.rank_store_seconds.labels(rank, "read").set(now.kv_store_read_seconds)
         self.rank_store_seconds.labels(rank, "written").set(now.kv_store_write_seconds)
+        self.rank_store_prefetches.labels(rank, "in_time").set(now.kv_store_prefetches - now.kv_store_prefetch_late)
+        self.rank_store_prefetches.labels(rank, "late").set(now.kv_store_prefetch_late)
+        self.rank_store_prefetch_wait.labels(rank).set(now.kv_store_prefetch_wait_seconds)
         if role != "decode":
             return
         for counter, total, before in ((self.handoff_pulled, now.handoff_pulled_tokens,

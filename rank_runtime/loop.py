@@ -27,6 +27,7 @@ import msgspec
 from cluster.protocol.rank_router import (CacheEvents, CacheUpdate, PhaseTimes, PromptLogprobs, RankStats,
                                             RequestError, TokenBatch, TokenEvent, TokenLogprob)
 from cluster.protocol.router_rank import Abort, Generate
+from engine.llm_engine import PREFETCH_POLL_S
 from rank_runtime.router_link import RankLink, RouterLost
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,9 @@ class RankLoop:
                          kv_store_hit_tokens=hc.get("l3_hit_tokens", 0), kv_store_read_bytes=hc.get("bytes_l3_read", 0),
                          kv_store_written_bytes=hc.get("bytes_l3_written", 0),
                          kv_store_read_seconds=hc.get("seconds_l3_read", 0.0),
-                         kv_store_write_seconds=hc.get("seconds_l3_written", 0.0), **self.extra_stats())
+                         kv_store_write_seconds=hc.get("seconds_l3_written", 0.0),
+                         kv_store_prefetches=hc.get("l3_prefetches", 0), kv_store_prefetch_late=hc.get("l3_prefetch_late", 0),
+                         kv_store_prefetch_wait_seconds=hc.get("seconds_l3_prefetch_wait", 0.0), **self.extra_stats())
 
     def extra_stats(self) -> dict:
         return {}
@@ -109,7 +112,7 @@ class RankLoop:
             self.board.idle()  # before the wait: a peer's step may take this rank's cores from now on
         self._admit(self.wait_s())
         self.between_steps()
-        if not eng.has_unfinished():
+        if not eng.poll_prefetch(PREFETCH_POLL_S):  # nothing to run (or only L3 read-aheads in flight)
             self._stats = self._snapshot()
             return
         if self.board is not None:  # (a step of many rows takes idle peers' cores before they settle)

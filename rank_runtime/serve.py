@@ -20,7 +20,7 @@ from cluster.cli_args import add_dataclass_args, from_args
 from cluster.protocol import PROTOCOL_VERSION
 from cluster.protocol.rank_router import Hello
 from rank_runtime.config import HandoffConfig, RankConfig
-from rank_runtime.faults import FAULT_ENV, faults_for
+from rank_runtime.faults import FAULT_ENV, apply_engine_faults, faults_for
 from rank_runtime.loop import RankLoop
 from rank_runtime.router_link import RankLink
 
@@ -83,6 +83,7 @@ def serve(cfg: RankConfig, engine, loop: RankLoop, link: RankLink, closers=()) -
     """Run `loop` on this thread with `link` on its IO thread until the rank must exit."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: link.stop(f"signal {signal.Signals(signum).name}"))
+    apply_engine_faults(engine, faults_for(cfg.name))
     if faults_for(cfg.name).hang_before_hello:
         log.warning("fault injected (%s): never saying Hello", FAULT_ENV)
         while not link.stopped.wait(0.2):

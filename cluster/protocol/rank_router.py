@@ -125,6 +125,9 @@ class RankStats(msgspec.Struct, frozen=True, array_like=True, tag="stats"):
     handoff_reused_tokens: int = 0  # decode: prompt tokens whose KV its own host cache held (not read)
     kv_store_read_seconds: float = 0.0  # time in L3 store reads (lookups that read), since start
     kv_store_write_seconds: float = 0.0  # time in L3 store writes (the writer thread), since start
+    kv_store_prefetches: int = 0  # requests whose pages past the host hit were read ahead from L3, since start
+    kv_store_prefetch_late: int = 0  # of those, requests that stopped waiting at their deadline (a slow store)
+    kv_store_prefetch_wait_seconds: float = 0.0  # time those requests waited for the read-ahead, summed
 
 
 class RequestError(msgspec.Struct, frozen=True, array_like=True, tag="error"):

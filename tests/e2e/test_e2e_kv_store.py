@@ -31,11 +31,14 @@ def chat(system, messages: list[dict]) -> tuple[str, int, str]:
 
 
 def metric(system, name: str) -> float:
+    """The sum of a metric's samples; `name{label="v"` sums those with that label only."""
     text = httpx.get(system.url + "/metrics").text
-    return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.M))
+    name, _, label = name.partition("{")
+    return sum(float(v) for labels, v in re.findall(rf"^{name}{{([^}}]*)}} ([0-9.e+]+)$", text, re.M)
+               if label in labels)
 
 
-def test_a_prefix_is_a_hit_on_another_rank_and_after_a_restart(tmp_path):
+def test_a_prefix_is_a_hit_on_another_rank_and_after_a_restart(tmp_path, monkeypatch):
     store = f"file:{tmp_path / 'kv'}"
     turn1 = [{"role": "system", "content": STORY}, {"role": "user", "content": "Name a colour."}]
     system = start_system(tmp_path / "a", ["--colocated", "2", "--routing-policy", "round-robin",
@@ -58,6 +61,18 @@ def test_a_prefix_is_a_hit_on_another_rank_and_after_a_restart(tmp_path):
         assert again == answer2 and cached >= cached2
         system.wait_until(lambda: metric(system, "pdserve_rank_kv_store_hit_tokens") == cached, 10,
                           "the rank's stats to count the store's hit")
+        assert metric(system, 'pdserve_rank_kv_store_prefetches{outcome="in_time"') >= 1
+    finally:
+        stop_system(system)
+    # A store that hangs (each read 60 s): the request stops waiting for it at its deadline and
+    # computes the prompt, same text; nothing waits on the store again for it.
+    monkeypatch.setenv("PDSERVE_FAULT", "colocated-0:slow_kv_store:60")
+    system = start_system(tmp_path / "c", ["--colocated", "1", "--kv-store", store, *COMMON], timeout=420)
+    try:
+        again, cached, _ = chat(system, turn2)
+        assert again == answer2 and cached == 0
+        system.wait_until(lambda: metric(system, 'pdserve_rank_kv_store_prefetches{outcome="late"') == 1, 10,
+                          "the late read-ahead counted")
     finally:
         stop_system(system)
 

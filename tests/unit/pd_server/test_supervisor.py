@@ -104,8 +104,9 @@ def test_shm_of_exited_ranks_is_removed(tmp_path):
 
 
 def test_fault_spec():
-    spec = "decode-0:delay_pull:2.5,prefill-1:hang_before_hello"
+    spec = "decode-0:delay_pull:2.5,prefill-1:hang_before_hello,prefill-0:slow_kv_store:0.5"
     assert parse_faults(spec, "decode-0") == Faults(delay_pull_s=2.5)
+    assert parse_faults(spec, "prefill-0") == Faults(slow_kv_store_s=0.5)
     assert parse_faults(spec, "prefill-1") == Faults(hang_before_hello=True)
     assert parse_faults(spec, "decode-1") == Faults() == parse_faults("", "decode-0")
     for bad in ("decode-0:delay_pul:1", "decode-0", "a:b:c:d"):

@@ -20,6 +20,9 @@ class _Engine:
     def has_unfinished(self) -> bool:
         return bool(self.sizes)
 
+    def poll_prefetch(self, wait_s: float = 0.0) -> bool:
+        return bool(self.sizes)
+
     def step(self):
         self.last_step = self.sizes.pop(0)
         return []
