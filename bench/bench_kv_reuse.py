@@ -93,6 +93,11 @@ class Sent:
     error: str = ""
 
 
+# The turns in flight at --duration-s get this long to finish; past it the replay ends and counts
+# them as errors (a rank that died at start, or a stuck request, cannot hold the run forever).
+END_GRACE_S = 300.0
+
+
 class Ceiling:
     """Which page prefixes were sent before (chain of page hashes)."""
 
@@ -132,9 +137,12 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], w:
                     rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     except httpx.HTTPError as e:
         rec.error = f"{type(e).__name__}: {e}"
+    except asyncio.CancelledError:  # (replay's end: END_GRACE_S)
+        rec.error = f"unfinished {END_GRACE_S:.0f} s after the run's end"
+        raise
 
 
-async def replay(url: str, model: str, w: Workload) -> tuple[list[Sent], float]:
+async def replay(url: str, model: str, w: Workload, transport=None) -> tuple[list[Sent], float]:
     ceiling = Ceiling()
     sent: list[Sent] = []
     deadline = time.monotonic() + w.duration_s
@@ -142,7 +150,8 @@ async def replay(url: str, model: str, w: Workload) -> tuple[list[Sent], float]:
     lock = asyncio.Lock()
     limits = httpx.Limits(max_connections=w.concurrency * 2)
     in_flight = asyncio.Semaphore(w.concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=w.duration_s + END_GRACE_S, limits=limits,
+                                 transport=transport) as http:
 
         async def session_slot(slot: int) -> None:
             nonlocal next_session
@@ -161,7 +170,11 @@ async def replay(url: str, model: str, w: Workload) -> tuple[list[Sent], float]:
                     await asyncio.sleep(rng.expovariate(1 / w.think_s) if w.think_s else 0)
 
         start = time.monotonic()
-        await asyncio.gather(*(session_slot(s) for s in range(w.alive)))
+        try:
+            await asyncio.wait_for(asyncio.gather(*(session_slot(s) for s in range(w.alive))),
+                                   w.duration_s + END_GRACE_S)
+        except asyncio.TimeoutError:
+            pass  # (one_request marked what was cut)
         return sent, time.monotonic() - start
 
 

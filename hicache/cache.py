@@ -94,6 +94,7 @@ class HostCacheStats:
     l3_queued_pages: int = 0  # pages and states queued for a write to L3
     l3_prefetches: int = 0  # requests whose pages past the host hit were looked for in L3 ahead
     l3_prefetch_late: int = 0  # of those, requests that stopped waiting at their deadline
+    l3_prefetch_skipped: int = 0  # requests that did not wait: the store was stuck in an earlier read
     seconds_l3_prefetch_wait: float = 0.0  # arrival to adoption, summed over prefetches
     l3_skipped_pages: int = 0  # stored pages and states the writer had no room to queue
 
@@ -185,7 +186,8 @@ class HostCache:
     # ---- L3 read-ahead (hicache/prefetch.py) ------------------------------------------------
     def prefetch(self, tokens: Seq[int], salt: str = "", wait_s_per_page: float = 0.0) -> PrefetchJob | None:
         """Start reading the pages of `tokens` past the host hit that the L3 store holds; None
-        when there is no store or nothing past the host hit. The request should wait for the
+        when there is no store, nothing past the host hit, or the store is stuck in an earlier
+        read (Prefetcher.stalled). The request should wait for the
         job (`prefetch_ready`) at most MIN_PREFETCH_WAIT_S + `wait_s_per_page` a page it looks
         for, then `adopt` it (or `cancel` it), once."""
         if self.prefetcher is None:
@@ -195,6 +197,9 @@ class HostCache:
         host = self.index.match_and_pin(keys)
         self.index.unpin(host)
         if len(host) == len(keys):
+            return None
+        if self.prefetcher.stalled:
+            self.counters.l3_prefetch_skipped += 1
             return None
         wait = MIN_PREFETCH_WAIT_S + wait_s_per_page * (len(keys) - len(host))
         job = PrefetchJob(keys, len(host), self.has_swa, time.monotonic() + wait)

@@ -12,7 +12,9 @@ waits on the store (HiCache's prefetch with a timeout policy is the model):
      and the request joins the queue, whose admission finds them as host hits.
 So a store that is slow or hangs costs a request at most its deadline (the engine sets it to a
 share of what computing those pages would cost), plus what it then computes; one that is down
-answers at once (no pages). A page read by then is a hit even when later ones are not.
+answers at once (no pages). A page read by then is a hit even when later ones are not. While the
+thread is still stuck in a read for a request that stopped waiting (`stalled`), new requests do
+not wait at all: a hung store costs one deadline per stuck read, not one per request.
 """
 from __future__ import annotations
 
@@ -87,10 +89,18 @@ class Prefetcher:
         self.read_bytes = 0
         self.read_seconds = 0.0
         self.failures = 0  # objects the store listed but could not give back
+        self._current: PrefetchJob | None = None  # the job the thread is reading
         self._queue: deque[PrefetchJob | None] = deque()
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kv-store-prefetch", daemon=True)
         self._thread.start()
+
+    @property
+    def stalled(self) -> bool:
+        """The thread is still reading for a request that stopped waiting for it (a store that
+        hangs): a job queued now would wait behind it."""
+        job = self._current
+        return job is not None and job.stopped
 
     def submit(self, job: PrefetchJob) -> None:
         with self._cv:
@@ -125,6 +135,7 @@ class Prefetcher:
             if job is None:
                 return
             t0 = time.perf_counter()
+            self._current = job
             try:
                 if not job.stopped:
                     self._read(job)
@@ -133,6 +144,7 @@ class Prefetcher:
             finally:
                 self.read_seconds += time.perf_counter() - t0
                 with self._cv:
+                    self._current = None
                     job.done = True
                     self._cv.notify_all()
 

@@ -99,7 +99,8 @@ class RouterMetrics:
         self.rank_store_prefetches = Gauge("pdserve_rank_kv_store_prefetches", "requests whose pages past the "
                                            "host-cache hit a rank read ahead from the L3 store before admitting "
                                            "them, since it started: in_time (the read finished), late (the "
-                                           "request stopped waiting at its deadline: a slow store)",
+                                           "request stopped waiting at its deadline: a slow store), skipped "
+                                           "(not read: the store was stuck in an earlier read)",
                                            ["rank", "outcome"], registry=r)
         self.rank_store_prefetch_wait = Gauge("pdserve_rank_kv_store_prefetch_wait_seconds", "seconds requests "
                                               "waited for their L3 read-ahead on a rank, summed, since it started",
@@ -128,6 +129,7 @@ class RouterMetrics:
         self.rank_store_seconds.labels(rank, "written").set(now.kv_store_write_seconds)
         self.rank_store_prefetches.labels(rank, "in_time").set(now.kv_store_prefetches - now.kv_store_prefetch_late)
         self.rank_store_prefetches.labels(rank, "late").set(now.kv_store_prefetch_late)
+        self.rank_store_prefetches.labels(rank, "skipped").set(now.kv_store_prefetch_skipped)
         self.rank_store_prefetch_wait.labels(rank).set(now.kv_store_prefetch_wait_seconds)
         if role != "decode":
             return

@@ -94,7 +94,8 @@ class RankLoop:
                          kv_store_read_seconds=hc.get("seconds_l3_read", 0.0),
                          kv_store_write_seconds=hc.get("seconds_l3_written", 0.0),
                          kv_store_prefetches=hc.get("l3_prefetches", 0), kv_store_prefetch_late=hc.get("l3_prefetch_late", 0),
-                         kv_store_prefetch_wait_seconds=hc.get("seconds_l3_prefetch_wait", 0.0), **self.extra_stats())
+                         kv_store_prefetch_wait_seconds=hc.get("seconds_l3_prefetch_wait", 0.0),
+                         kv_store_prefetch_skipped=hc.get("l3_prefetch_skipped", 0), **self.extra_stats())
 
     def extra_stats(self) -> dict:
         return {}

@@ -10,6 +10,8 @@ Built-in names (case-insensitive):
   * `vllm`          -> scripts/peer_vllm.sh serve (only where `.venv-vllm` exists).
 `NAME=FLAGS` (the --config flag) defines NAME as pd_start.sh FLAGS (shell words); a defined
 name wins over a built-in one and is run after the --configs list if that does not name it.
+Leading `VAR=value` words are set in pd_start.sh's environment, as in a shell (e.g.
+`slow=PDSERVE_FAULT=prefill-0:slow_kv_store:0.05 --prefill 1 --decode 1 --kv-store file:/tmp/s`).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ _RESERVED = ("--port", "--host")
 class Config:
     name: str
     flags: tuple[str, ...] = ()  # scripts/pd_start.sh flags; empty for the vLLM peer
+    env: tuple[tuple[str, str], ...] = ()  # set in pd_start.sh's environment
     peer: str = ""  # "vllm": started with scripts/peer_vllm.sh serve instead
 
 
@@ -62,11 +65,16 @@ def defined(spec: str) -> Config:
     if not sep or not name or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
         raise ValueError(f"--config {spec!r}: expected NAME='pd_start.sh flags', NAME of letters, digits, _.+-")
     words = tuple(shlex.split(flags))
+    env = []
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0], re.S):
+        var, _, value = words[0].partition("=")
+        env.append((var, value))
+        words = words[1:]
     if not words:
         raise ValueError(f"--config {spec!r}: no flags")
     if bad := [w for w in words if w.split("=")[0] in _RESERVED]:
         raise ValueError(f"--config {spec!r}: {bad[0]} is set by the harness (use --port)")
-    return Config(name, words)
+    return Config(name, words, env=tuple(env))
 
 
 def parse_configs(names: str, specs: list[str]) -> list[Config]:

@@ -49,13 +49,14 @@ class PdStart:
         self.pd_start = root / "scripts" / "pd_start.sh"
         self.url = f"http://127.0.0.1:{port}"
         self.command = [str(self.pd_start), *cfg.flags, "--port", str(port), *(["--model", model] if model else [])]
+        self.env = dict(cfg.env)
         self.port_dir = root / "runs" / str(port)
         self._made_port_dir = not self.port_dir.exists()
         self._started = False
 
     def start(self, timeout_s: float) -> float:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PD_START_TIMEOUT_S": str(int(timeout_s))}
+        env = {**os.environ, **self.env, "PD_START_TIMEOUT_S": str(int(timeout_s))}
         self._started = True
         t0 = time.monotonic()
         with open(self.run_dir / "pd_start.log", "wb") as log:

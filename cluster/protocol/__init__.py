@@ -36,7 +36,8 @@ from typing import Literal
 # (handoff_pulled_tokens, handoff_reused_tokens: a decode rank reads only what it lacks).
 # 9 added Hello.cache_group (ranks sharing one host cache), Sampling.cache_salt and Sampling.logit_bias.
 # 10: Sampling.prompt_logprobs, TokenEvent.prompt_logprobs, RankStats' L3 seconds.
-# 11: RankStats' L3 read-ahead counters (kv_store_prefetches, _prefetch_late, _prefetch_wait_seconds).
+# 11: RankStats' L3 read-ahead counters (kv_store_prefetches, _prefetch_late, _prefetch_wait_seconds,
+# _prefetch_skipped).
 PROTOCOL_VERSION = 11
 
 # ZMQ_MAXMSGSIZE of every socket that takes frames from another process (cluster/auth.py).

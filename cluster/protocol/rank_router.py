@@ -128,6 +128,7 @@ class RankStats(msgspec.Struct, frozen=True, array_like=True, tag="stats"):
     kv_store_prefetches: int = 0  # requests whose pages past the host hit were read ahead from L3, since start
     kv_store_prefetch_late: int = 0  # of those, requests that stopped waiting at their deadline (a slow store)
     kv_store_prefetch_wait_seconds: float = 0.0  # time those requests waited for the read-ahead, summed
+    kv_store_prefetch_skipped: int = 0  # requests that did not wait: the store was stuck in an earlier read
 
 
 class RequestError(msgspec.Struct, frozen=True, array_like=True, tag="error"):

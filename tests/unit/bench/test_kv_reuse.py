@@ -1,7 +1,13 @@
 """bench/bench_kv_reuse.py's workload and reuse ceiling: sessions grow turn by turn from a shared
-agent prompt, and the ceiling counts exactly the whole pages an earlier prompt shared."""
+agent prompt, and the ceiling counts exactly the whole pages an earlier prompt shared; a server
+that never answers cannot hold the replay past its grace."""
 from __future__ import annotations
 
+import asyncio
+
+import httpx
+
+import bench.bench_kv_reuse as kv
 from bench.bench_kv_reuse import PAGE, Ceiling, Workload
 
 
@@ -24,3 +30,13 @@ def test_ceiling_counts_whole_shared_pages_and_leaves_a_token():
     assert c.add(longer) == 5 * PAGE
     assert c.add(longer[:5 * PAGE]) == 4 * PAGE  # exactly 5 pages: the last token is computed
     assert c.add([9] + first) == 0
+
+
+def test_a_server_that_never_answers_ends_the_replay_after_its_grace(monkeypatch):
+    async def hang(request):
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(kv, "END_GRACE_S", 0.2)
+    w = Workload(sessions=2, alive=2, concurrency=2, duration_s=0.1, think_s=0.0, system_tokens=16, turn_tokens=8)
+    sent, wall = asyncio.run(kv.replay("http://test", "m", w, transport=httpx.MockTransport(hang)))
+    assert wall < 5 and len(sent) == 2 and all(s.error.startswith("unfinished") for s in sent)

@@ -57,8 +57,10 @@ def test_config_specs_define_and_override_names():
         ("mine", ("--prefill", "1", "--decode", "1", "--max-num-seqs", "64")),
         ("extra", ("--colocated", "1"))]  # defined but not listed: run after the list
     assert parse_configs("2P2D", ["2P2D=--prefill 2 --decode 2 --no-lend-cores"])[0].flags[-1] == "--no-lend-cores"
+    slow = parse_configs("", ["slow=PDSERVE_FAULT=prefill-0:slow_kv_store:0.1 A=b --colocated 1"])[0]
+    assert slow.env == (("PDSERVE_FAULT", "prefill-0:slow_kv_store:0.1"), ("A", "b")) and slow.flags == ("--colocated", "1")
     for names, specs in (("2P2D,2p2d", []), ("x", ["x=--colocated 1", "x=--colocated 2"]), ("", ["x"]),
-                         ("", ["x=--colocated 1 --port 9000"]), ("", ["x="])):
+                         ("", ["x=--colocated 1 --port 9000"]), ("", ["x="]), ("", ["x=A=b"])):
         with pytest.raises(ValueError):
             parse_configs(names, specs)
 

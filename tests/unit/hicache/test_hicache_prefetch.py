@@ -114,19 +114,24 @@ def test_a_slow_store_gives_the_pages_ready_by_the_deadline(tmp_path):
     b.close()
 
 
-def test_a_hung_store_costs_the_deadline_and_leaves_nothing(tmp_path):
+def test_a_hung_store_costs_one_deadline_and_leaves_nothing(tmp_path):
     prompt = tokens(5 * PS)
     _stored(tmp_path, prompt[:4 * PS], [0, 1, 2, 3])
     b = make(tmp_path)
     gate = b.prefetcher.store = Gated(b.l3, probes=0)
     job = b.prefetch(prompt)
-    _until(lambda: b.prefetch_ready(job, time.monotonic()))
+    queued = b.prefetch(prompt)  # behind it
+    b.cancel(queued)  # its request went away
+    _until(lambda: b.prefetcher._current is job and b.prefetch_ready(job, time.monotonic()))
     assert b.adopt(job) == 0 and not job.done
-    late = b.prefetch(prompt)  # queued behind the hung one
-    b.cancel(late)  # its request went away
-    gate.probes.release(2)
-    _until(lambda: job.done and late.done)
+    assert b.prefetcher.stalled and b.prefetch(prompt) is None  # stuck in a read nobody waits for:
+    assert b.counters.l3_prefetch_skipped == 1  # the next request does not wait at all
+    gate.probes.release(3)
+    _until(lambda: job.done and queued.done)
     assert len(b.index) == 0 and b.prefetcher.staged_bytes == 0 and b.counters.l3_read_pages == 0
+    again = b.prefetch(prompt, wait_s_per_page=1.0)  # the store answers again
+    _until(lambda: again.done)
+    assert b.adopt(again) == 4 and _no_pins(b)
     b.close()
 
 
@@ -142,9 +147,14 @@ def test_the_engine_waits_for_a_healthy_store_and_not_for_a_hung_one(tiny_model_
     out = b.generate([prompt], ON)[0]  # the store never answers: computed, same tokens
     _assert_same(out, ref)
     assert out.cached_tokens == 0 and b.stats()["hicache"]["l3_prefetch_late"] == 1
-    b.add_request("gone", prompt, ON)  # aborted while its pages are read ahead
-    assert b.stats()["waiting"] == 1
+    b.hicache.prefetcher.store = Gated(b.hicache.l3, probes=0)  # (another hang, once the first is over)
+    gate.probes.release(1)
+    _until(lambda: not b.hicache.prefetcher.stalled)
+    gate = b.hicache.prefetcher.store
+    b.add_request("gone", prompt + _rand(8, seed=9), ON)  # aborted while its new pages are looked for
+    assert b.stats()["waiting"] == 1 and "gone" in b._prefetching
     b.abort("gone")
+    assert not b.has_unfinished()
     gate.probes.release(1 << 20)
     _settled(b)
     b.close()
