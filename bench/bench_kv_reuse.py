@@ -35,13 +35,13 @@ import random
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
 from bench.mission import servers
-from bench.mission.configs import parse_configs
+from bench.mission.configs import baseline_configs, parse_configs
 
 PAGE = 16
 AGENT_TYPES = 4
@@ -257,19 +257,16 @@ def main(argv: list[str] | None = None) -> int:
                          "commit whose .venv links to this one's), named NAME@base: a before/after in one run")
     a = ap.parse_args(argv)
     w = Workload(**{k: getattr(a, k) for k in Workload.__dataclass_fields__})
-    configs = [(c, servers.ROOT) for c in parse_configs(a.configs, a.config)]
-    if a.baseline:
-        where, _, names = a.baseline.partition(":")
-        configs += [(replace(c, name=c.name + "@base"), Path(where).resolve()) for c in parse_configs(names, [])]
+    configs = parse_configs(a.configs, a.config) + (baseline_configs(a.baseline) if a.baseline else [])
     out = Path(a.out or f"runs/kv-reuse-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     last = [w.session_prompts(i)[-1] for i in range(w.sessions)]
     print(f"workload: {asdict(w)}; working set {sum(map(len, last))} tokens "
           f"({sum(map(len, last)) / w.sessions:.0f} a session at its last turn)", flush=True)
-    results: dict[str, list[Result]] = {c.name: [] for c, _ in configs}
+    results: dict[str, list[Result]] = {c.name: [] for c in configs}
     for rep in range(a.repeats):
-        for cfg, root in configs:
-            server = servers.make(cfg, a.port, a.model, out / f"{cfg.name}-{rep}", root=root)
+        for cfg in configs:
+            server = servers.make(cfg, a.port, a.model, out / f"{cfg.name}-{rep}")
             try:
                 startup = server.start(900)
                 model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]

@@ -37,7 +37,7 @@ from pathlib import Path
 from bench import bench_kv_reuse as kv_reuse
 from bench.agentx import aiperf_client, measure, process_group, serve_bench
 from bench.mission import servers, table
-from bench.mission.configs import VLLM, Config, parse_configs
+from bench.mission.configs import VLLM, Config, baseline_configs, parse_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACES = ROOT / "bench" / "traces" / "agentx_default"
@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                     help="define NAME as scripts/pd_start.sh FLAGS (repeatable), e.g. "
                          "--config \"2P2D-64=--prefill 2 --decode 2 --max-num-seqs 64\"")
+    ap.add_argument("--baseline", default="", metavar="DIR:NAME,NAME",
+                    help="also run these configs from another checkout (a `git worktree` of an earlier commit "
+                         "whose .venv links to this one's), named NAME@base: a before/after in one run")
     ap.add_argument("--levels", default="1 8 32", help="synthetic concurrency levels")
     ap.add_argument("--agentx-duration", type=float, default=120.0, help="profiled seconds of the replay")
     ap.add_argument("--agentx-concurrency", type=int, default=4, help="trajectories in flight")
@@ -133,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     try:
         args.config_list = parse_configs(args.configs, args.config)
+        if args.baseline:
+            args.config_list += baseline_configs(args.baseline)
         args.level_list = [] if args.no_synthetic else serve_bench.parse_levels(args.levels)
     except ValueError as e:
         ap.error(str(e))

@@ -32,6 +32,7 @@ class Config:
     name: str
     flags: tuple[str, ...] = ()  # scripts/pd_start.sh flags; empty for the vLLM peer
     env: tuple[tuple[str, str], ...] = ()  # set in pd_start.sh's environment
+    root: str = ""  # the checkout whose pd_start.sh starts it ("": this one; a baseline's: another)
     peer: str = ""  # "vllm": started with scripts/peer_vllm.sh serve instead
 
 
@@ -90,3 +91,17 @@ def parse_configs(names: str, specs: list[str]) -> list[Config]:
         raise ValueError(f"config {dup[0]!r} named twice")
     out = [custom.pop(n.lower(), None) or builtin(n) for n in listed]
     return out + list(custom.values())
+
+
+def baseline_configs(spec: str) -> list[Config]:
+    """`DIR:NAME,NAME` -> those built-in or --config-less names started from the checkout at DIR
+    (a `git worktree` of an earlier commit whose .venv links to this one's), named NAME@base:
+    a before/after in one run. ValueError when DIR is not a checkout with scripts/pd_start.sh."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    where, _, names = spec.partition(":")
+    root = Path(where).expanduser().resolve()
+    if not (root / "scripts" / "pd_start.sh").is_file():
+        raise ValueError(f"--baseline {spec!r}: {root} has no scripts/pd_start.sh")
+    return [replace(c, name=c.name + "@base", root=str(root)) for c in parse_configs(names, [])]

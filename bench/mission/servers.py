@@ -132,4 +132,4 @@ def make(cfg: Config, port: int, model: str, run_dir: Path, stop_timeout_s: floa
     the checkout whose pd_start.sh starts it)."""
     if cfg.peer == VLLM:
         return VllmPeer(port, model, run_dir, stop_timeout_s)
-    return PdStart(cfg, port, model, run_dir, root)
+    return PdStart(cfg, port, model, run_dir, Path(cfg.root) if cfg.root else root)

@@ -8,18 +8,22 @@
 // (Zen 3, one thread, all of SmolLM2's linears: 35 ms at 1 row, 68 at 4, 80 at 8, 103 at 16).
 // Where the model is a GGUF's dequantized values, every 32-weight block of a weight is exactly
 // Q4_1's fma(d, q, m) or Q8_0's d q (csrc/include/quant_blocks.h finds them, checked weight for
-// weight); this copy holds them in 6 (Q4_1) or 9 (Q8_0) bits a weight and the kernel rebuilds the
-// same fp32 weights in registers (the same fused multiply-add, so the same values).
+// weight); this copy holds them in 6 (Q4_1) or 9 (Q8_0) bits a weight, and the kernel sums each
+// block as d (x . q) + m (sum of x) (one FMA a weight; rebuilding w = fma(d, q, m) first took two:
+// one row 1.4-1.6x faster, four rows 1.05x, Zen 3, docs/kernels.md).
 //
 // Layout (after a 64-byte header: int32 kind, N, K): units of 8 output columns, then the K / 32
 // blocks of each; a block is d[8] (and m[8] for Q4) as fp32, then for each of its 16 k pairs
 // (2 j, 2 j + 1): Q4: 8 bytes, byte c = q[c][2 j] | q[c][2 j + 1] << 4; Q8: 16 bytes, q[c][2 j]
 // for c < 8 then q[c][2 j + 1].
 //
-// Numerics: each output n keeps two fp32 sums, over the even and the odd k in order, added at
-// the end (then the bias): an order fixed by K alone, never by M, the batch position, how many
+// Numerics: for each output n and block, (x . q) in two fp32 sums over the even and the odd k in
+// order, added; then the output's sum takes d times that and m times the block's sum of x, block
+// after block (then the bias): an order fixed by K alone, never by M, the batch position, how many
 // units or rows one pass takes, or the thread count, so a row's result does not depend on the
-// batch it ran in. It is not torch's order: results differ from F.linear in the last bits.
+// batch it ran in. It is not torch's order: results differ from F.linear in the last bits (max
+// error against a float64 product 1.6-4.1e-7 of the largest output, where rebuilding w gave
+// 3.5-8.9e-7).
 //
 // Without AVX2 and FMA at compile time quant_f32_supported() is false and callers use torch.
 #include <ATen/ATen.h>
@@ -122,55 +126,61 @@ at::Tensor pack(const at::Tensor& w32) {
 #ifdef PDSERVE_QF32
 
 // Rows [0, MR) of x against NV consecutive units starting at unit u: out[r][8 (u + v) + c].
+// A block's weights are w = d q + m (Q4_1) or d q (Q8_0), so its share of a row's sum is
+// d (x . q) + m S, with S the row's sum over the block (`xs`, made once a call): the kernel
+// converts each q to fp32 and multiplies it by x (one FMA a weight, where rebuilding w first
+// took two), then scales the block's dot by d and adds m S. (x . q): two fp32 chains, over the
+// even and the odd k in order, added at the block's end.
 // Every loop over the accumulator arrays carries `#pragma GCC unroll`: without it GCC 12 kept them
 // in memory, a store per FMA (SmolLM2's linears at 4 rows 35.6 -> 20.3 ms with it).
 template <int Kind, int MR, int NV>
-void pass(const float* x, int64_t ldx, const uint8_t* q, int64_t blocks, const float* bias, float* out,
-          int64_t ldo, int64_t u) {
-  __m256 even[MR * NV], odd[MR * NV];
+void pass(const float* x, int64_t ldx, const float* xs, int64_t ldxs, const uint8_t* q, int64_t blocks,
+          const float* bias, float* out, int64_t ldo, int64_t u) {
+  __m256 acc[MR * NV];
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) even[r * NV + v] = odd[r * NV + v] = _mm256_setzero_ps();
+  for (int i = 0; i < MR * NV; ++i) acc[i] = _mm256_setzero_ps();
   constexpr int64_t bb = block_bytes(Kind);
   const uint8_t* ub[NV];
 #pragma GCC unroll 8
   for (int v = 0; v < NV; ++v) ub[v] = q + (u + v) * blocks * bb;
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256 d[NV], m[NV];
+    __m256 even[MR * NV], odd[MR * NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR * NV; ++i) even[i] = odd[i] = _mm256_setzero_ps();
     const uint8_t* body[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) body[v] = ub[v] + b * bb + (Kind == kQ4 ? 64 : 32);
+    const float* xb = x + 32 * b;
+#pragma GCC unroll 4
+    for (int j = 0; j < 16; ++j) {
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) {
+        __m256 qe, qo;
+        if constexpr (Kind == kQ4) {
+          const __m256i t = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(body[v] + 8 * j)));
+          qe = _mm256_cvtepi32_ps(_mm256_and_si256(t, _mm256_set1_epi32(15)));
+          qo = _mm256_cvtepi32_ps(_mm256_srli_epi32(t, 4));
+        } else {
+          const uint8_t* p = body[v] + 16 * j;
+          qe = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+          qo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          even[r * NV + v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + r * ldx + 2 * j), qe, even[r * NV + v]);
+          odd[r * NV + v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + r * ldx + 2 * j + 1), qo, odd[r * NV + v]);
+        }
+      }
+    }
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
       const float* h = reinterpret_cast<const float*>(ub[v] + b * bb);
-      d[v] = _mm256_loadu_ps(h);
-      if constexpr (Kind == kQ4) m[v] = _mm256_loadu_ps(h + 8);
-      body[v] = ub[v] + b * bb + (Kind == kQ4 ? 64 : 32);
-    }
-    const float* xb = x + 32 * b;
-#pragma GCC unroll 2
-    for (int j = 0; j < 16; ++j) {
-      __m256 we[NV], wo[NV];
-#pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) {
-        if constexpr (Kind == kQ4) {
-          const __m256i t = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(body[v] + 8 * j)));
-          we[v] = _mm256_fmadd_ps(d[v], _mm256_cvtepi32_ps(_mm256_and_si256(t, _mm256_set1_epi32(15))), m[v]);
-          wo[v] = _mm256_fmadd_ps(d[v], _mm256_cvtepi32_ps(_mm256_srli_epi32(t, 4)), m[v]);
-        } else {
-          const uint8_t* p = body[v] + 16 * j;
-          we[v] = _mm256_mul_ps(d[v], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-          wo[v] = _mm256_mul_ps(d[v], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))));
-        }
-      }
+      const __m256 d = _mm256_loadu_ps(h);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        const __m256 xe = _mm256_broadcast_ss(xb + r * ldx + 2 * j);
-        const __m256 xo = _mm256_broadcast_ss(xb + r * ldx + 2 * j + 1);
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) {
-          even[r * NV + v] = _mm256_fmadd_ps(xe, we[v], even[r * NV + v]);
-          odd[r * NV + v] = _mm256_fmadd_ps(xo, wo[v], odd[r * NV + v]);
-        }
+        __m256& a = acc[r * NV + v];
+        a = _mm256_fmadd_ps(d, _mm256_add_ps(even[r * NV + v], odd[r * NV + v]), a);
+        if constexpr (Kind == kQ4) a = _mm256_fmadd_ps(_mm256_loadu_ps(h + 8), _mm256_broadcast_ss(xs + r * ldxs + b), a);
       }
     }
   }
@@ -178,14 +188,15 @@ void pass(const float* x, int64_t ldx, const uint8_t* q, int64_t blocks, const f
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
-      __m256 s = _mm256_add_ps(even[r * NV + v], odd[r * NV + v]);
+      __m256 s = acc[r * NV + v];
       const int64_t c = kUnit * (u + v);
       if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + c));
       _mm256_storeu_ps(out + r * ldo + c, s);
     }
 }
 
-using PassFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t);
+using PassFn = void (*)(const float*, int64_t, const float*, int64_t, const uint8_t*, int64_t, const float*, float*,
+                       int64_t, int64_t);
 
 // Units per pass by rows (MR x NV accumulator pairs fit 16 ymm with the rebuilt weights).
 template <int Kind>
@@ -223,6 +234,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const c10::optional<
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>() + kHeader;
+  // Each row's sum over each block, in order (Q4_1's m S).
+  at::Tensor xsum = at::empty({M, blocks}, x.options());
+  float* xs = xsum.data_ptr<float>();
+  if (h.kind == kQ4)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        float t = 0.0f;
+        for (int k = 0; k < 32; ++k) t += xp[r * K + 32 * b + k];
+        xs[r * blocks + b] = t;
+      }
   // Work items of 4 units (32 columns): the weights of one item stay in L1/L2 while every row
   // group of x runs over them.
   constexpr int64_t kItem = 4;
@@ -236,7 +257,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& q, const c10::optional<
         for (int64_t u = ua; u < ue;) {
           const int take = u + nv <= ue ? nv : 1;
           const PassFn fn = h.kind == kQ4 ? pick<kQ4>(mr, take) : pick<kQ8>(mr, take);
-          fn(xp + r0 * K, K, qp, blocks, bp, op + r0 * N, N, u);
+          fn(xp + r0 * K, K, xs + r0 * blocks, blocks, qp, blocks, bp, op + r0 * N, N, u);
           u += take;
         }
       }

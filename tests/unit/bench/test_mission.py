@@ -11,7 +11,8 @@ import pytest
 from bench.agentx import aiperf_client, process_group, server_metrics
 from bench.mission import table
 from bench.mission.cli import _stop_on_signal, parse_args, schedule
-from bench.mission.configs import Config, builtin, parse_configs
+from bench.mission.configs import Config, baseline_configs, builtin, parse_configs
+from bench.mission.servers import ROOT
 
 
 def _load(load: str, tok_s: float, ttft50: float, itl50: float, hit: float | None = None,
@@ -59,6 +60,11 @@ def test_config_specs_define_and_override_names():
     assert parse_configs("2P2D", ["2P2D=--prefill 2 --decode 2 --no-lend-cores"])[0].flags[-1] == "--no-lend-cores"
     slow = parse_configs("", ["slow=PDSERVE_FAULT=prefill-0:slow_kv_store:0.1 A=b --colocated 1"])[0]
     assert slow.env == (("PDSERVE_FAULT", "prefill-0:slow_kv_store:0.1"), ("A", "b")) and slow.flags == ("--colocated", "1")
+    base = baseline_configs(f"{ROOT}:2P2D,colocated-2")
+    assert [(c.name, c.root) for c in base] == [("2P2D@base", str(ROOT)), ("colocated-2@base", str(ROOT))]
+    assert base[0].flags == ("--prefill", "2", "--decode", "2")
+    with pytest.raises(ValueError, match="pd_start.sh"):
+        baseline_configs("/nonexistent:2P2D")
     for names, specs in (("2P2D,2p2d", []), ("x", ["x=--colocated 1", "x=--colocated 2"]), ("", ["x"]),
                          ("", ["x=--colocated 1 --port 9000"]), ("", ["x="]), ("", ["x=A=b"])):
         with pytest.raises(ValueError):
