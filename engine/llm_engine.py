@@ -229,14 +229,14 @@ class LLMEngine(StepBounds):
         else:
             self.scheduler.add(seq)
 
-    def poll_prefetch(self, wait_s: float = 0.0) -> bool:
+    def poll_prefetch(self, wait: bool = False) -> bool:
         """Queue the requests whose read-ahead is done or past its deadline (their pages are in
-        the host cache then). With nothing else to run, waits up to `wait_s` for one first.
-        Returns whether the scheduler has something to run."""
+        the host cache then). With nothing else to run and `wait`, waits up to PREFETCH_POLL_S
+        for one first. Returns whether the scheduler has something to run."""
         if self._prefetching:
             self._adopt_ready()
-            if wait_s > 0 and self._prefetching and not self.scheduler.num_unfinished:
-                self.hicache.wait_prefetch(wait_s)
+            if wait and self._prefetching and not self.scheduler.num_unfinished:
+                self.hicache.wait_prefetch(PREFETCH_POLL_S)
                 self._adopt_ready()
         return self.scheduler.num_unfinished > 0
 
@@ -280,7 +280,7 @@ class LLMEngine(StepBounds):
 
     def step(self) -> list[RequestOutput]:
         self.flush_write_through()
-        self.poll_prefetch(PREFETCH_POLL_S)
+        self.poll_prefetch(wait=True)
         sched = self.scheduler.schedule()
         if sched.empty:
             return []

@@ -27,7 +27,6 @@ import msgspec
 from cluster.protocol.rank_router import (CacheEvents, CacheUpdate, PhaseTimes, PromptLogprobs, RankStats,
                                             RequestError, TokenBatch, TokenEvent, TokenLogprob)
 from cluster.protocol.router_rank import Abort, Generate
-from engine.llm_engine import PREFETCH_POLL_S
 from rank_runtime.router_link import RankLink, RouterLost
 
 log = logging.getLogger(__name__)
@@ -113,7 +112,7 @@ class RankLoop:
             self.board.idle()  # before the wait: a peer's step may take this rank's cores from now on
         self._admit(self.wait_s())
         self.between_steps()
-        if not eng.poll_prefetch(PREFETCH_POLL_S):  # nothing to run (or only L3 read-aheads in flight)
+        if not eng.poll_prefetch(wait=True):  # nothing to run (or only L3 read-aheads in flight)
             self._stats = self._snapshot()
             return
         if self.board is not None:  # (a step of many rows takes idle peers' cores before they settle)

@@ -226,7 +226,7 @@ def test_a_rank_marks_itself_idle_before_it_waits_for_work(tmp_path, threads):
     class Loop(RankLoop):
         def __init__(self) -> None:  # no engine: nothing to run
             self.engine = type("Idle", (), {"has_unfinished": lambda _: False,
-                                            "poll_prefetch": lambda _, wait_s=0.0: False})()
+                                            "poll_prefetch": lambda _, wait=False: False})()
             self.board, self._stats = mine, None
 
         def _admit(self, wait_s: float) -> None:

@@ -20,7 +20,7 @@ class _Engine:
     def has_unfinished(self) -> bool:
         return bool(self.sizes)
 
-    def poll_prefetch(self, wait_s: float = 0.0) -> bool:
+    def poll_prefetch(self, wait: bool = False) -> bool:
         return bool(self.sizes)
 
     def step(self):
