@@ -328,13 +328,11 @@ class HandoffReceiver:
 
     def _reuse(self, h: Handoff, res) -> int:
         """Load the prompt's leading pages this rank's host cache holds into the reserved pages;
-        returns how many (the read skips them; never the last). Pages only: the rings come too.
-        Not from an L3 store: this thread decodes every stream of the rank, and the prefill rank
-        holds the pages for the pull anyway."""
+        returns how many (the read skips them; never the last). Pages only: the rings come too."""
         hc = getattr(self.engine, "hicache", None)
         if hc is None:
             return 0
-        hit = hc.lookup(h.prompt_ids, need_state=False, salt=h.sampling.cache_salt, from_l3=False)
+        hit = hc.lookup(h.prompt_ids, need_state=False, salt=h.sampling.cache_salt)
         n = len(hit.path)
         if not n:
             hc.release(hit)

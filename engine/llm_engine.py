@@ -13,8 +13,7 @@ Request life cycle:
   5. Finished or aborted sequences free their pages and SWA slot at once.
 With a host cache (hicache_size_gb > 0), admission loads the prompt's longest
 stored prefix and prefill writes the prompt through to it. With an L3 store behind it, a new
-request first waits outside the queue while its pages past the host hit are read ahead
-(`_prefetching`; at most PREFETCH_WAIT_SHARE of what computing them would take). The engine takes it from
+request first waits outside the queue while its pages are read ahead (engine/read_ahead.py). The engine takes it from
 its builder as a factory (engine/host_cache.py; hicache.cache.HostCache.for_engine).
 Roles: colocated = both; prefill-only = add_request(prefill_only=True);
 decode-only = add_imported() with the prefill side's KVExport, or (PD decode rank, KV
@@ -35,6 +34,7 @@ from engine.kv_cache import KVPool
 from engine.model_cache import cached_model_dir
 from engine.model_runner import ModelRunner
 from engine.outputs import KVExport, KVReservation, PromptLogprobs, RequestOutput, TokenLogprob
+from engine.read_ahead import ReadAheads
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
@@ -42,14 +42,6 @@ from engine.step_bounds import StepBounds
 from engine.text_decoder import BackendDecoder, load_decoder
 
 log = logging.getLogger(__name__)
-
-# L3 read-ahead: a request waits for its pages at most this share of the time computing them would
-# take (measured prefill seconds a token; before any is measured, DEFAULT_S_PER_TOKEN), so a slow
-# or hung store costs at most ~that share of its time to first token, and a healthy one (a page
-# reads in well under a millisecond, computes in tens of them on a CPU) is always waited for.
-PREFETCH_WAIT_SHARE = 0.1
-DEFAULT_S_PER_TOKEN = 1e-3
-PREFETCH_POLL_S = 0.002  # how long a rank with only read-aheads in flight waits between looks
 
 
 class LLMEngine(StepBounds):
@@ -95,11 +87,9 @@ class LLMEngine(StepBounds):
             t = time.perf_counter()
             self.hicache = host_cache(cfg, self.model_cfg, self.max_model_len)
             self.load_phases["hicache"] = time.perf_counter() - t
+        self.read_aheads = ReadAheads(self.hicache, cfg.page_size)  # requests outside the queue meanwhile
         # The last step's rows not yet written through to the host cache (flush_write_through).
         self._unstored: list[tuple[Sequence, int]] = []
-        # Requests whose L3 pages are being read ahead, in arrival order: request id -> (seq, job).
-        self._prefetching: dict[str, tuple[Sequence, object]] = {}
-        self._s_per_token: float | None = None  # prefill seconds a prompt token (moving average)
 
     @functools.cached_property
     def tokenizer(self):
@@ -219,37 +209,16 @@ class LLMEngine(StepBounds):
         self.seqs[seq.request_id] = seq
         if running:
             self.scheduler.add_running(seq)
-            return
-        job = None
-        if self.hicache is not None and p.prefix_cache and seq.prompt_lp is None:
-            per_page = PREFETCH_WAIT_SHARE * (self._s_per_token or DEFAULT_S_PER_TOKEN) * self.cfg.page_size
-            job = self.hicache.prefetch(seq.token_ids, p.cache_salt, per_page)
-        if job is not None:
-            self._prefetching[seq.request_id] = (seq, job)
-        else:
+        elif not self.read_aheads.start(seq):
             self.scheduler.add(seq)
 
     def poll_prefetch(self, wait: bool = False) -> bool:
-        """Queue the requests whose read-ahead is done or past its deadline (their pages are in
-        the host cache then). With nothing else to run and `wait`, waits up to PREFETCH_POLL_S
-        for one first. Returns whether the scheduler has something to run."""
-        if self._prefetching:
-            self._adopt_ready()
-            if wait and self._prefetching and not self.scheduler.num_unfinished:
-                self.hicache.wait_prefetch(PREFETCH_POLL_S)
-                self._adopt_ready()
-        return self.scheduler.num_unfinished > 0
-
-    def _adopt_ready(self) -> None:
-        now = time.monotonic()
-        for rid, (seq, job) in list(self._prefetching.items()):
-            if self.hicache.prefetch_ready(job, now):
-                del self._prefetching[rid]
-                try:
-                    self.hicache.adopt(job)
-                except Exception:  # noqa: BLE001 - the request computes those pages
-                    log.exception("adopting the L3 pages of %s failed", rid)
+        """Queue the requests read ahead (ReadAheads.poll; `wait`: with nothing else to run).
+        Returns whether the scheduler has something to run."""
+        if self.read_aheads:
+            for seq in self.read_aheads.poll(wait and not self.scheduler.num_unfinished):
                 self.scheduler.add(seq)
+        return self.scheduler.num_unfinished > 0
 
     def _on_admit(self, seq: Sequence) -> bool:
         kv = self._imports.get(seq.request_id)
@@ -268,7 +237,7 @@ class LLMEngine(StepBounds):
 
     # ---- the loop -------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._prefetching)
+        return self.scheduler.num_unfinished > 0 or bool(self.read_aheads)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort in any phase; idempotent. Frees the request's pages and slot at once."""
@@ -286,10 +255,7 @@ class LLMEngine(StepBounds):
             return []
         t0 = time.perf_counter()
         rows, out = self.runner.execute(sched.scheduled)
-        prompt_tokens = self.runner.last_step[1]
-        if prompt_tokens >= 64:  # (the prefill rate read-aheads are weighed against)
-            x = (time.perf_counter() - t0) / prompt_tokens
-            self._s_per_token = x if self._s_per_token is None else 0.8 * self._s_per_token + 0.2 * x
+        self.read_aheads.observe(time.perf_counter() - t0, self.runner.last_step[1])
         if self.hicache is not None:
             # Written through by flush_write_through, or row by row before a row's pages go
             # (_store_now): a rank flushes after the step's tokens have left, so a prompt's
@@ -360,9 +326,7 @@ class LLMEngine(StepBounds):
         return self._finish(seq, [tok], text, lp, export)
 
     def _finish(self, seq: Sequence, toks, text, lp, export=None) -> RequestOutput:
-        pending = self._prefetching.pop(seq.request_id, None)
-        if pending is not None:
-            self.hicache.cancel(pending[1])
+        self.read_aheads.cancel(seq.request_id)
         self._store_now(seq)
         self.scheduler.finish(seq)
         self._imports.pop(seq.request_id, None)
@@ -417,8 +381,8 @@ class LLMEngine(StepBounds):
         return self.runner.last_step
 
     def stats(self) -> dict:
-        out = {"running": len(self.scheduler.running),
-               "waiting": len(self.scheduler.waiting) + len(self._prefetching),
+        sched = self.scheduler
+        out = {"running": len(sched.running), "waiting": len(sched.waiting) + len(self.read_aheads),
                "pages_used": self.pool.used_pages, "pages_total": self.pool.num_pages,
                # What still fits: tokens of KV, and sequences (bounded by slots and max_num_seqs).
                "tokens_free": self.pool.free_pages * self.pool.page_size,

@@ -39,85 +39,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVPool
 from engine.sequence import Sequence
-from hicache.index import Node, PrefixIndex, page_keys, salted_root
-from hicache.l3 import adopt, read_into_host, write_through
 from hicache.build import build_parts
+from hicache.cache_types import CacheEvent, HostCacheStats, Hit
+from hicache.index import Node, PrefixIndex, page_keys, salted_root
+from hicache.l3 import PREFETCH_STAGING_BYTES, L3ReadAhead, write_through
 from hicache.pool import HostPool
-from hicache.prefetch import Prefetcher, PrefetchJob
+from hicache.prefetch import Prefetcher
 from hicache.store import KVStore, StoreWriter
 from native.page_copy import copy_pages
 
-
-# L3 read-ahead: the staging memory of one rank's Prefetcher (at most the size of its host pool),
-# and the least a request waits for its prefetch (the engine adds a share of the compute it saves).
-PREFETCH_STAGING_BYTES = 256 * 2**20
-MIN_PREFETCH_WAIT_S = 0.005
+__all__ = ["CacheEvent", "HostCache", "HostCacheStats", "Hit"]
 
 
-@dataclass(frozen=True)
-class CacheEvent:
-    """What changed, for a router that tracks which prefixes a rank holds."""
-
-    kind: str  # "page_stored" | "page_evicted" | "state_stored" | "state_evicted"
-    keys: tuple[bytes, ...]  # page keys (hicache.index.page_keys); a state's is its page's
-
-
-@dataclass
-class HostCacheStats:
-    lookups: int = 0
-    hits: int = 0  # lookups that reused at least one page
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
-    stores: int = 0  # write-throughs that added at least one page or state
-    stored_pages: int = 0
-    stored_states: int = 0
-    store_skipped_pages: int = 0  # pages a store left out because everything was pinned
-    evicted_pages: int = 0
-    evicted_states: int = 0
-    bytes_h2d: int = 0
-    bytes_d2h: int = 0
-    seconds_h2d: float = 0.0
-    seconds_d2h: float = 0.0
-    l3_hit_tokens: int = 0  # of hit_tokens, those read from the L3 store for this lookup
-    l3_read_pages: int = 0
-    l3_read_states: int = 0
-    l3_read_failures: int = 0  # objects the store listed but could not give back (a miss then)
-    bytes_l3_read: int = 0
-    seconds_l3_read: float = 0.0
-    l3_queued_pages: int = 0  # pages and states queued for a write to L3
-    l3_prefetches: int = 0  # requests whose pages past the host hit were looked for in L3 ahead
-    l3_prefetch_late: int = 0  # of those, requests that stopped waiting at their deadline
-    l3_prefetch_skipped: int = 0  # requests that did not wait: the store was stuck in an earlier read
-    seconds_l3_prefetch_wait: float = 0.0  # arrival to adoption, summed over prefetches
-    l3_skipped_pages: int = 0  # stored pages and states the writer had no room to queue
-
-
-@dataclass
-class Hit:
-    """A pinned lookup result; pass it to `load` or `release` exactly once."""
-
-    path: list[Node]
-    page_size: int
-    released: bool = field(default=False)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.path) * self.page_size
-
-    @property
-    def state(self) -> int | None:
-        return self.path[-1].state if self.path else None
-
-
-class HostCache:
-    """Host KV cache of one rank. Not thread-safe: the engine loop owns it."""
+class HostCache(L3ReadAhead):
+    """Host KV cache of one rank. Not thread-safe: the engine loop owns it. Its L3 read-ahead
+    (prefetch, adopt, cancel: the engine's side of hicache/prefetch.py) is l3.L3ReadAhead."""
 
     def __init__(self, pool: HostPool, index: PrefixIndex, has_swa: bool, store: KVStore | None = None) -> None:
         self.pool = pool
@@ -160,19 +103,15 @@ class HostCache:
         self.pool.close()
 
     # ---- lookup and load -------------------------------------------------------------
-    def lookup(self, tokens: Seq[int], need_state: bool | None = None, salt: str = "",
-               from_l3: bool = True) -> Hit:
-        """Longest usable stored prefix of `tokens`, pinned (see PrefixIndex.lookup), after
-        reading what the L3 store adds to the host cache's hit into host pages (`from_l3`; this
-        thread waits on the store: the engine prefetches instead). `need_state` (default:
-        hybrid models) ends the hit at a stored SWA state; False for pages alone (a decode rank
-        whose handoff brings the state). `salt`: the request's cache_salt (only pages stored
-        under the same salt are a hit)."""
+    def lookup(self, tokens: Seq[int], need_state: bool | None = None, salt: str = "") -> Hit:
+        """Longest usable stored prefix of `tokens` in the host cache, pinned (see
+        PrefixIndex.lookup; what an L3 store holds comes in through `prefetch` and `adopt`
+        first). `need_state` (default: hybrid models) ends the hit at a stored SWA state; False
+        for pages alone (a decode rank whose handoff brings the state). `salt`: the request's
+        cache_salt (only pages stored under the same salt are a hit)."""
         need_state = self.has_swa if need_state is None else need_state
         root = salted_root(self.index.root, salt)
         self._unpin_written()
-        on_host, from_l3 = (read_into_host(self, tokens, need_state, root) if self.l3 is not None and from_l3
-                            else (0, 0))
         path = self.index.lookup_and_pin(tokens, need_state, root)
         c = self.counters
         c.lookups += 1
@@ -180,59 +119,7 @@ class HostCache:
         if path:
             c.hits += 1
             c.hit_tokens += len(path) * self.page_size
-            c.l3_hit_tokens += max(0, min(len(path), on_host + from_l3) - on_host) * self.page_size
         return Hit(path, self.page_size)
-
-    # ---- L3 read-ahead (hicache/prefetch.py) ------------------------------------------------
-    def prefetch(self, tokens: Seq[int], salt: str = "", wait_s_per_page: float = 0.0) -> PrefetchJob | None:
-        """Start reading the pages of `tokens` past the host hit that the L3 store holds; None
-        when there is no store, nothing past the host hit, or the store is stuck in an earlier
-        read (Prefetcher.stalled). The request should wait for the
-        job (`prefetch_ready`) at most MIN_PREFETCH_WAIT_S + `wait_s_per_page` a page it looks
-        for, then `adopt` it (or `cancel` it), once."""
-        if self.prefetcher is None:
-            return None
-        ps = self.page_size
-        keys = page_keys(tokens, ps, salted_root(self.index.root, salt), max(len(tokens) - 1, 0) // ps)
-        host = self.index.match_and_pin(keys)
-        self.index.unpin(host)
-        if len(host) == len(keys):
-            return None
-        if self.prefetcher.stalled:
-            self.counters.l3_prefetch_skipped += 1
-            return None
-        wait = MIN_PREFETCH_WAIT_S + wait_s_per_page * (len(keys) - len(host))
-        job = PrefetchJob(keys, len(host), self.has_swa, time.monotonic() + wait)
-        self.prefetcher.submit(job)
-        self.counters.l3_prefetches += 1
-        return job
-
-    def prefetch_ready(self, job: PrefetchJob, now: float) -> bool:
-        """The job is done, or its request has waited long enough (time.monotonic() `now`)."""
-        return job.done or now >= job.deadline
-
-    def wait_prefetch(self, timeout_s: float) -> None:
-        """Block up to `timeout_s`, or until some prefetch finishes."""
-        if self.prefetcher is not None:
-            self.prefetcher.wait_any(timeout_s)
-
-    def adopt(self, job: PrefetchJob) -> int:
-        """Index what `job` read (it reads no more) as host pages; returns how many pages."""
-        c = self.counters
-        c.l3_prefetch_late += not job.done
-        try:
-            n = adopt(self, job)
-        finally:
-            self.prefetcher.release(job)
-            c.seconds_l3_prefetch_wait += time.monotonic() - job.submitted
-        if n and (not job.need_state or job.state_ok):  # a hit for the lookup that follows
-            c.l3_hit_tokens += n * self.page_size
-        return n
-
-    def cancel(self, job: PrefetchJob) -> None:
-        """Drop a job whose request went away."""
-        job.stop()
-        self.prefetcher.release(job)
 
     def _unpin_written(self) -> None:
         if self.writer is not None:
@@ -391,8 +278,7 @@ class HostCache:
             return True
         # A request that wants its prompt's logprobs computes every position (a hit has no
         # logits); its pages are still stored.
-        hit = (self.lookup(seq.token_ids, salt=seq.params.cache_salt, from_l3=self.prefetcher is None)
-               if seq.prompt_lp is None else None)
+        hit = self.lookup(seq.token_ids, salt=seq.params.cache_salt) if seq.prompt_lp is None else None
         if hit is not None and hit.path:
             if len(hit.path) > kv.free_pages:
                 self.release(hit)

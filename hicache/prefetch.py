@@ -4,7 +4,7 @@ waits on the store (HiCache's prefetch with a timeout policy is the model):
   1. At arrival (LLMEngine._track -> HostCache.prefetch, engine thread): the prompt's page keys;
      when some lie past the host hit, a PrefetchJob for them, with a deadline, goes to the
      Prefetcher, and the request waits outside the scheduler's queue.
-  2. The Prefetcher's thread probes the store (l3.probe) and reads the run it holds into staging
+  2. The Prefetcher's thread probes the store (`probe`) and reads the run it holds into staging
      memory of its own, page by page, counting `ready` (at most `max_staging_bytes` staged for
      all jobs at once: a job past it reads fewer pages).
   3. The engine thread adopts a job once it is done or its deadline has passed (HostCache.adopt ->
@@ -26,10 +26,21 @@ from collections import deque
 
 import torch
 
-from hicache.l3 import probe
 from hicache.store import KVStore, bytes_view
 
 log = logging.getLogger(__name__)
+
+
+def probe(store: KVStore, rest: list[bytes], need_state: bool) -> tuple[int, int]:
+    """(pages of `rest`, from the first, the store holds; the index among them of the deepest
+    SWA state, -1 for none). With `need_state` (hybrid models) the run ends at that state,
+    without which its pages are no hit: (0, -1) when there is none."""
+    n = store.leading([k.hex() + ".kv" for k in rest]) if rest else 0
+    if not n or not need_state:
+        return n, -1
+    # (probed deepest first: one call, usually)
+    state_at = next((i for i in reversed(range(n)) if store.leading([rest[i].hex() + ".swa"])), -1)
+    return (state_at + 1, state_at) if state_at >= 0 else (0, -1)
 
 
 class PrefetchJob:

@@ -65,7 +65,7 @@ def test_read_ahead_pages_load_as_host_hits(tmp_path):
     job = b.prefetch(prompt, wait_s_per_page=1.0)
     _until(lambda: job.done)
     assert b.prefetch_ready(job, time.monotonic()) and b.adopt(job) == 4
-    hit = b.lookup(prompt, from_l3=False)
+    hit = b.lookup(prompt)
     assert hit.num_tokens == 4 * PS
     dst = device()
     dst.full.zero_()
@@ -86,7 +86,7 @@ def test_the_state_comes_with_the_pages_for_a_hybrid_model(tmp_path):
     job = b.prefetch(prompt + [99], wait_s_per_page=1.0)
     _until(lambda: job.done)
     assert b.adopt(job) == 4
-    hit = b.lookup(prompt + [99], from_l3=False)
+    hit = b.lookup(prompt + [99])
     assert hit.num_tokens == 4 * PS and hit.state is not None
     dst = device()
     b.load(hit, dst, [4, 5, 6, 7], swa_slot=0)
@@ -95,11 +95,17 @@ def test_the_state_comes_with_the_pages_for_a_hybrid_model(tmp_path):
     b.close()
 
 
-def test_a_slow_store_gives_the_pages_ready_by_the_deadline(tmp_path):
+def _gated(tmp_path, **permits):
+    """A prompt whose first 4 pages the store holds, and an empty cache reading it through a Gated store."""
     prompt = tokens(5 * PS)
     _stored(tmp_path, prompt[:4 * PS], [0, 1, 2, 3])
     b = make(tmp_path)
-    gate = b.prefetcher.store = Gated(b.l3, reads=2)
+    gate = b.prefetcher.store = Gated(b.l3, **permits)
+    return prompt, b, gate
+
+
+def test_a_slow_store_gives_the_pages_ready_by_the_deadline(tmp_path):
+    prompt, b, gate = _gated(tmp_path, reads=2)
     job = b.prefetch(prompt)  # deadline: MIN_PREFETCH_WAIT_S
     _until(lambda: job.ready == 2)
     assert not job.done and b.prefetch_ready(job, time.monotonic())
@@ -108,17 +114,14 @@ def test_a_slow_store_gives_the_pages_ready_by_the_deadline(tmp_path):
     gate.reads.release(5)  # the thread finishes its read, which no longer counts
     _until(lambda: job.done)
     assert len(b.index) == 2 and b.prefetcher.staged_bytes == 0 and _no_pins(b)
-    hit = b.lookup(prompt, from_l3=False)
+    hit = b.lookup(prompt)
     assert hit.num_tokens == 2 * PS
     b.release(hit)
     b.close()
 
 
 def test_a_hung_store_costs_one_deadline_and_leaves_nothing(tmp_path):
-    prompt = tokens(5 * PS)
-    _stored(tmp_path, prompt[:4 * PS], [0, 1, 2, 3])
-    b = make(tmp_path)
-    gate = b.prefetcher.store = Gated(b.l3, probes=0)
+    prompt, b, gate = _gated(tmp_path, probes=0)
     job = b.prefetch(prompt)
     queued = b.prefetch(prompt)  # behind it
     b.cancel(queued)  # its request went away
@@ -152,7 +155,7 @@ def test_the_engine_waits_for_a_healthy_store_and_not_for_a_hung_one(tiny_model_
     _until(lambda: not b.hicache.prefetcher.stalled)
     gate = b.hicache.prefetcher.store
     b.add_request("gone", prompt + _rand(8, seed=9), ON)  # aborted while its new pages are looked for
-    assert b.stats()["waiting"] == 1 and "gone" in b._prefetching
+    assert b.stats()["waiting"] == 1 and "gone" in b.read_aheads.pending
     b.abort("gone")
     assert not b.has_unfinished()
     gate.probes.release(1 << 20)
