@@ -4,7 +4,8 @@ from a slower tier (an L3 store: hicache/prefetch.py), for LLMEngine.
 A new request's job starts at arrival (`start`); the request joins the queue once the job is
 done or its deadline has passed (`poll`), the pages read by then adopted as host pages. The
 deadline is PREFETCH_WAIT_SHARE of what computing those pages would take, from the engine's
-measured prefill seconds a token (`observe`; DEFAULT_S_PER_TOKEN before any is measured): a slow
+measured prefill seconds a token (`observe`; a rank's warmup measures one before its first
+request, rank_runtime/loading.py; DEFAULT_S_PER_TOKEN before any is measured): a slow
 or hung store costs at most ~that share of a request's time to first token, and a healthy one
 (a page reads in well under a millisecond, computes in tens of them on a CPU) is always waited for.
 """

@@ -208,10 +208,11 @@ def _port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
 
 
 def start_master(rpc_port: int, http_port: int, log_path: str | Path,
-                 timeout_s: float = 15.0, own_group: bool = True) -> subprocess.Popen:
-    """Start the venv's `mooncake_master` on loopback: its RPC on 127.0.0.1:`rpc_port`, its HTTP
-    metadata server on `http_port` (URL http://127.0.0.1:PORT/metadata; see the module doc for
-    its bind), its metrics on an ephemeral loopback port; output appended to `log_path`. The
+                 timeout_s: float = 15.0, own_group: bool = True, host: str = "127.0.0.1") -> subprocess.Popen:
+    """Start the venv's `mooncake_master`: its RPC on `host`:`rpc_port` (loopback unless the
+    ranks are on other hosts), its HTTP metadata server on `http_port` (URL
+    http://HOST:PORT/metadata; see the module doc for its bind), its metrics on an ephemeral
+    loopback port; output appended to `log_path`. The
     process leads its own process group (stop_master ends it), or, `own_group` False, stays in
     the caller's (the launcher's: a stop of the system's group ends it too). Returns once both ports accept
     connections. Raises RuntimeError naming what is missing (the binary, libibverbs/librdmacm)
@@ -226,10 +227,10 @@ def start_master(rpc_port: int, http_port: int, log_path: str | Path,
             raise RuntimeError(f"mooncake_master needs {lib} even for TCP ({e}): Debian's libibverbs1 "
                                f"and librdmacm1; {_SETUP_HINT}") from e
     for port in (rpc_port, http_port):
-        if _port_open("127.0.0.1", port):
-            raise RuntimeError(f"port 127.0.0.1:{port} is taken: another mooncake_master, or anything")
-    cmd = [str(exe), "--rpc_address=127.0.0.1", f"--rpc_port={rpc_port}",
-           "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+        if _port_open(host, port):
+            raise RuntimeError(f"port {host}:{port} is taken: another mooncake_master, or anything")
+    cmd = [str(exe), f"--rpc_address={host}", f"--rpc_port={rpc_port}",
+           "--enable_http_metadata_server=true", f"--http_metadata_server_host={host}",
            f"--http_metadata_server_port={http_port}", "--metrics_host=127.0.0.1",
            "--metrics_port=0", "--enable_metric_reporting=false", "--logtostderr=true"]
     with open(log_path, "ab") as out:
@@ -239,7 +240,7 @@ def start_master(rpc_port: int, http_port: int, log_path: str | Path,
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"mooncake_master exited ({proc.returncode}): {_tail(log_path)}")
-        if _port_open("127.0.0.1", rpc_port) and _port_open("127.0.0.1", http_port):
+        if _port_open(host, rpc_port) and _port_open(host, http_port):
             if proc.poll() is None:
                 return proc
             continue  # it exited: the check above says how

@@ -113,12 +113,13 @@ class StoreUnavailable(RuntimeError):
 
 
 @contextlib.contextmanager
-def store_for_launch(spec: str, log_dir: Path, on_ray: str = "") -> Iterator[str]:
+def store_for_launch(spec: str, log_dir: Path, host: str = "127.0.0.1") -> Iterator[str]:
     """The launcher's side of `spec`, yielding what its ranks get: `mooncake` starts a master
-    on loopback for as long as the block runs (in the launcher's process group, so a stop of the
-    group ends it too) and yields the address the ranks join; any other spec is yielded as it
-    is. Raises StoreUnavailable naming what is missing (scripts/setup_mooncake.sh installs it)
-    or a spec the ranks could not use."""
+    for as long as the block runs (in the launcher's process group, so a stop of the group ends
+    it too), listening on `host` (loopback; under Ray the launcher's node IP, which every node
+    reaches), and yields the address the ranks join; any other spec is yielded as it is. Raises
+    StoreUnavailable naming what is missing (scripts/setup_mooncake.sh installs it) or a spec
+    the ranks could not use."""
     if spec != "mooncake":
         if spec:
             try:
@@ -127,9 +128,6 @@ def store_for_launch(spec: str, log_dir: Path, on_ray: str = "") -> Iterator[str
                 raise StoreUnavailable(str(e)) from None
         yield spec
         return
-    if on_ray:
-        raise StoreUnavailable("with --ray, start a Mooncake master every node reaches and pass "
-                               "mooncake://HOST:RPC_PORT?metadata=http://HOST:PORT/metadata")
     import socket
 
     from hicache.mooncake_store import start_master, stop_master
@@ -137,15 +135,18 @@ def store_for_launch(spec: str, log_dir: Path, on_ray: str = "") -> Iterator[str
     ports = []
     for _ in range(2):
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             ports.append(s.getsockname()[1])
+    if not host.startswith("127."):
+        log.warning("the Mooncake master listens on %s:%d and %d (its RPC, its metadata): it has no "
+                    "authentication, keep the cluster on a private network (docs/deployment.md)", host, *ports)
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        proc = start_master(ports[0], ports[1], log_dir / "mooncake-master.log", own_group=False)
+        proc = start_master(ports[0], ports[1], log_dir / "mooncake-master.log", own_group=False, host=host)
     except RuntimeError as e:
         raise StoreUnavailable(str(e)) from None
     try:
-        yield f"mooncake://127.0.0.1:{ports[0]}?metadata=http://127.0.0.1:{ports[1]}/metadata"
+        yield f"mooncake://{host}:{ports[0]}?metadata=http://{host}:{ports[1]}/metadata"
     finally:
         stop_master(proc)
 

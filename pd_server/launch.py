@@ -11,7 +11,8 @@
      flags go to every PD rank, --prefill-host/--decode-host become their --host (their
      rank-to-rank address); the router introduces them (Peers). The ranks share one host KV
      cache (hicache/host_plan.py; --hicache-scope rank: 0.25 GiB a rank), with --kv-store an
-     L3 tier behind it (hicache/store.py; `mooncake`: a master started here).
+     L3 tier behind it (hicache/store.py; `mooncake`: a master started here, under --ray on this
+     node's IP, so the ranks of every node share it).
   3. Serve HTTP (uvicorn) until SIGINT/SIGTERM; /health turns 200 once every rank said Hello.
      The supervisor (supervisor.py) watches the rank processes: removes the shared memory of
      dead ones and, with --supervise, restarts them (--max-restarts, --restart-backoff-s).
@@ -324,7 +325,8 @@ def _pools_for_dtype(engine_cfg, handoff: HandoffConfig, argv: list[str], num_ra
 def _on_ray(cfg: RouterConfig, launch: LaunchConfig, engine_cfg):
     """Join the Ray cluster; the configs for ranks on other hosts: the rank socket on this
     node's IP, each rank's --host its own node's IP, no core lending, pinning or weight file
-    (they assume one host), threads from the cluster's CPUs. RuntimeError: cannot connect."""
+    (they assume one host), threads from the cluster's CPUs; and this node's IP (where a
+    Mooncake master started here listens). RuntimeError: cannot connect."""
     from pd_server import ray_ranks
 
     node_ip = ray_ranks.connect(launch.ray)
@@ -337,7 +339,7 @@ def _on_ray(cfg: RouterConfig, launch: LaunchConfig, engine_cfg):
 
         cpus = int(ray.cluster_resources().get("CPU", 1))
         engine_cfg = replace(engine_cfg, num_threads=max(1, cpus // launch.num_ranks))
-    return cfg, launch, engine_cfg
+    return cfg, launch, engine_cfg, node_ip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,9 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    store_host = "127.0.0.1"  # --kv-store mooncake: where the master listens
     if launch.ray:
         try:
-            cfg, launch, engine_cfg = _on_ray(cfg, launch, engine_cfg)
+            cfg, launch, engine_cfg, store_host = _on_ray(cfg, launch, engine_cfg)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USAGE
@@ -386,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = cached_model_dir(engine_cfg.model)  # converts a GGUF once, before any rank starts
     model_name = cfg.served_model_name or served_name(engine_cfg.model)
-    try:  # --kv-store mooncake: a master for this system, stopped with it
-        with store_for_launch(engine_cfg.kv_store, Path(launch.run_dir or tempfile.gettempdir()), launch.ray) as kv:
+    try:  # --kv-store mooncake: a master for this system (every node's ranks join it), stopped with it
+        with store_for_launch(engine_cfg.kv_store, Path(launch.run_dir or tempfile.gettempdir()), store_host) as kv:
             asyncio.run(serve(cfg, replace(engine_cfg, kv_store=kv), launch, model_dir, model_name, handoff))
     except StoreUnavailable as e:
         print(f"error: --kv-store {engine_cfg.kv_store}: {e}", file=sys.stderr)

@@ -11,6 +11,8 @@ from rank_runtime.config import HandoffConfig, RankConfig
 
 log = logging.getLogger(__name__)
 
+WARMUP_PREFILL_TOKENS = 128  # a prompt long enough that its step time is mostly per-token work
+
 
 def load_engine(engine_cfg, warmup: bool):
     """The rank's engine, loaded (and warmed up), with its host cache when hicache_size_gb > 0;
@@ -26,6 +28,13 @@ def load_engine(engine_cfg, warmup: bool):
         # First steps' one-off costs (kernel JIT, allocator growth; a sampled row) before Hello.
         t = time.perf_counter()
         engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=1.0, seed=0))
+        if getattr(engine.hicache, "l3", None) is not None:
+            # The prefill rate L3 read-ahead deadlines are weighed against (engine/read_ahead.py),
+            # measured on this machine before the first request rather than assumed: a rank's
+            # first read-ahead then waits what its compute would take, not a guess 4x short
+            # (a store on another host read 3 of 9 pages by such a deadline). Kept out of the caches.
+            engine.generate([[100 + i for i in range(WARMUP_PREFILL_TOKENS)]],
+                            SamplingParams(max_tokens=1, temperature=0, prefix_cache=False))
         phases["warmup"] = time.perf_counter() - t
     gc.freeze()  # what is loaded (~350k objects) out of the cyclic GC's passes: a full one took ~100 ms
     log.info("load phases: %s (%.1fs in all, %.1fs since the process started)",

@@ -3,7 +3,8 @@ with no CPUs for ranks, one node offering `pdserve_prefill` and one `pdserve_dec
 router in the launcher. Greedy outputs equal a colocated system's; /health names each rank's
 node; killing the decode actor's process: Ray restarts it and the new rank rejoins and serves;
 stop leaves no actor, rank process or shared memory behind; a killed launcher takes its actors
-along; a lost node's rank is placed again on a node that joins.
+along; two nodes share a Mooncake L3 tier the launcher starts (a prefix computed on one node is a
+hit on the other); a lost node's rank is placed again on a node that joins.
 Skipped, with the reason, where Ray is not installed (scripts/setup_ray.sh) or cannot start.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 from pd_server.supervisor import remove_dead_ranks_shm
 from tests.e2e.conftest import MODEL, start_system, stop_system
+from test_e2e_kv_store import STORY, chat, metric
 
 pytestmark = pytest.mark.slow
 
@@ -128,6 +130,36 @@ def test_a_killed_launcher_takes_its_ray_actors_and_ranks_along(tmp_path, cluste
         remove_dead_ranks_shm()  # what the next rank started on this node would do
     finally:
         stop_system(system)
+
+
+def test_two_nodes_share_the_mooncake_tier_a_prefix_from_one_is_a_hit_on_the_other(tmp_path, cluster,
+                                                                                    colocated_system):
+    """`--kv-store mooncake` under Ray: the launcher starts the master on its node's IP and the
+    ranks of both nodes join it; a prompt computed on one node (private host caches,
+    --hicache-scope rank, so only the store can carry it) is a store hit on the other, with the
+    text a colocated system gives. The master stops with the system."""
+    pytest.importorskip("mooncake.store", reason="run scripts/setup_mooncake.sh")
+    import psutil
+
+    c, _, _ = cluster
+    system = start_system(tmp_path, ["--ray", c.address, "--colocated", "2", "--routing-policy", "round-robin",
+                                     "--model", MODEL, "--num-threads", "1", "--kv-cache-gb", "0.05",
+                                     "--hicache-scope", "rank", "--hicache-size-gb", "0.1", "--kv-store", "mooncake",
+                                     "--kv-store-size-gb", "0.25"], timeout=420)
+    try:
+        [master] = [p for p in psutil.Process(system.proc.pid).children() if "mooncake_master" in p.name()]
+        ranks = system.ranks()
+        assert ranks["colocated-0"]["node"] != ranks["colocated-1"]["node"]
+        turn = [{"role": "system", "content": STORY}, {"role": "user", "content": "Name a colour."}]
+        first, second = chat(system, turn), chat(system, turn)
+        assert first[2] != second[2] and first[1] == 0
+        assert second[1] >= 128  # the first node's pages, read from the store
+        assert first[0] == second[0] == chat(colocated_system, turn)[0]
+        system.wait_until(lambda: metric(system, "pdserve_rank_kv_store_hit_tokens") == second[1], 10,
+                          "the ranks' stats to count the store's hit")
+    finally:
+        stop_system(system)
+    master.wait(timeout=10)  # (raises while it runs)
 
 
 def test_a_lost_node_fails_over_and_its_rank_comes_back_on_a_new_one(tmp_path, cluster):

@@ -172,10 +172,9 @@ def test_store_spec_and_directory_checks(tmp_path):
             parse_store(bad)
     with store_for_launch("file:/x/y", tmp_path) as spec:
         assert spec == "file:/x/y"
-    for bad, ray in (("disk:/x", ""), ("mooncake", "auto")):
-        with pytest.raises(StoreUnavailable):
-            with store_for_launch(bad, tmp_path, ray):
-                pass
+    with pytest.raises(StoreUnavailable):
+        with store_for_launch("disk:/x", tmp_path):
+            pass
     d = tmp_path / "open"
     d.mkdir()
     d.chmod(0o777)
