@@ -28,7 +28,7 @@ class RouterConfig:
                                      "never = the decode rank prefills every prompt itself; auto = per request, "
                                      "from cost curves and queue depths (pd_server/disagg.py)")
     disagg_costs: str = opt("", "cost curves (pd_tune.py measure JSON) for --disagg auto (default: "
-                                "bench/pdtune/costs/ for the served model, else built-in)")
+                                "pd_server/costs/ for the served model, else built-in)")
     decode_pack: int = opt(-1, "PD mode: a decode rank takes new requests until it holds this many before "
                                "an idle decode rank gets one (fewer, larger decode batches: a step reads every "
                                "weight once, so where ranks share cores one step of 8 rows costs less than two "

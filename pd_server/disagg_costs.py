@@ -6,7 +6,8 @@ count, prefill seconds on a grid of (new, cached) tokens and decode-step seconds
 router does not import bench/): piecewise linear between grid points, extrapolated from the end
 segments, never below 0, as there.
 
-Which file: `--disagg-costs PATH`, else the curves in bench/pdtune/costs/ whose `model` is the
+Which file: `--disagg-costs PATH`, else the curves in pd_server/costs/ (package data; `pd_tune.py
+measure --out` writes more) whose `model` is the
 served model (those measured in the dtype the ranks compute in first: `meta.dtype`, bfloat16
 where a file names none; then those measured on this many cores), else BUILTIN: this repository's
 smollm2-135m-instruct curves at 1 thread on the 2-core VM, rounded. For another model the
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FORMAT = 1  # bench/pdtune/costs.py FORMAT (the file both read)
-CURVES_DIR = Path(__file__).resolve().parents[1] / "bench" / "pdtune" / "costs"
+CURVES_DIR = Path(__file__).resolve().parent / "costs"
 
 BUILTIN = {  # smollm2-135m-instruct-cpu2.json, threads 1, rounded to 0.1 ms
     "format": FORMAT, "model": "builtin", "cores": 2, "kv_bytes_per_token": 23040.0,

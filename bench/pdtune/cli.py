@@ -6,7 +6,7 @@
                                 [--compare-sim costs.json]
 
 measure: this machine's cost curves (bench/pdtune/measure.py), once (this 2-core machine's, 1
-thread: bench/pdtune/costs/smollm2-135m-instruct-cpu2.json in bf16, -cpu2-float32.json on an AVX2-only CPU). simulate: every split of
+thread: pd_server/costs/smollm2-135m-instruct-cpu2.json in bf16, -cpu2-float32.json on an AVX2-only CPU). simulate: every split of
 --ranks (colocated R, xPyD for x + y = R, and xPyD+cond: the router's --disagg auto, the decode
 rank prefilling a request itself when its rule says so; plain xPyD is --disagg always) replayed in
 the simulator (bench/pdtune/sim.py), any rank count and --cores (to plan past this machine).
