@@ -22,7 +22,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "") -
     for f in fields(cls):
         flag = "--" + prefix.replace("_", "-") + f.name.replace("_", "-")
         dest = prefix + f.name
-        kw: dict = {"dest": dest, "help": f.metadata.get("help", "")}
+        # (argparse %-formats help: a default the parser's set_defaults changes shows as changed)
+        kw: dict = {"dest": dest, "help": f.metadata.get("help", "").replace("%", "%%")}
         default = f.default if f.default is not MISSING else None
         hint = hints[f.name]
         if hint is bool:
@@ -32,7 +33,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "") -
         if choices:
             kw["choices"] = choices
         kind = type(choices[0]) if choices else type(default)
-        kw["help"] += f" (default: {default!r})"
+        kw["help"] += " (default: %(default)r)"
         parser.add_argument(flag, type=kind, default=default, **kw)
 
 

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from cluster.cli_args import add_dataclass_args, from_args, opt
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -188,42 +191,40 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine knobs. CLI flags are generated from these fields (see `add_cli_args`)."""
+    """Engine knobs; one CLI flag per field, with its help (cluster/cli_args.py)."""
 
-    model: str = "smollm2-135m-instruct"  # embedded name, HF checkpoint dir, or .gguf file
-    dtype: str = "auto"  # auto | bfloat16 | float32 | float16 (CUDA); auto: resolve_dtype
-    device: str = "cpu"  # cpu | cuda
-    page_size: int = 16  # tokens per KV page
-    kv_cache_gb: float = 1.0  # memory for full-attention KV pages
-    max_num_seqs: int = 64  # running sequences at most
-    # per-step token budget (chunked prefill); vLLM's online-serving default. A prompt over it is
-    # prefilled in chunks; each chunk step also runs the running decodes (their ITL grows with it).
-    max_num_batched_tokens: int = 2048
-    # A step takes further prompts only up to this many prompt tokens in all (its first prompt
-    # chunk may take the whole budget): prompts are prefilled one after another, each first
-    # token sooner (engine/scheduler.py); 0: prompts fill the budget.
-    prefill_pack_tokens: int = 256
-    max_model_len: int = 0  # 0 -> the model's max_position, capped by the KV pool
-    num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
-    # Host KV cache (hicache/): GiB of shared memory for pages and SWA states; 0 disables it.
-    # Off by default: its size must be planned against host RAM and the ranks per host.
-    hicache_size_gb: float = 0.0
-    hicache_state_slots: int = 16  # SWA states it holds (hybrid models only), out of hicache_size_gb
-    hicache_shm_name: str = ""  # file under /dev/shm; "" -> pdserve-hicache-<pid>-<random>
-    # "rank": a private cache; "host": the ranks that name the same hicache_shm_name share one pool
-    # and prefix index in shared memory (hicache/shared_index.py), hicache_size_gb being the host's
-    hicache_scope: str = "rank"
-    # The L3 tier behind the host cache (hicache/store.py): "file:DIR" keeps every stored page
-    # in DIR (shared by the ranks of a host, kept across restarts); "mooncake" a Mooncake Store
-    # the launcher starts (mooncake://HOST:PORT?metadata=URL: an existing one), shared by every
-    # rank that reaches it; "" none.
-    kv_store: str = ""
-    # file: the store's capacity (0: a quarter of its disk's free space, <= 64); mooncake: the
-    # memory each rank gives the store (0: 1 GiB)
-    kv_store_size_gb: float = 0.0
-    # Directory (tmpfs) where the ranks of one host map one read-only copy of the weights
-    # (engine/shared_weights.py); "" keeps a private copy. The launcher sets it for its ranks.
-    shared_weights_dir: str = ""
+    model: str = opt("smollm2-135m-instruct", "an embedded model's name, a Hugging Face checkpoint directory or a "
+                     ".gguf file")
+    dtype: str = opt("auto", "auto, bfloat16, float32 or float16 (CUDA); auto: bfloat16 on CUDA and on CPUs that "
+                     "compute in it natively (AVX512-BF16, AMX), float32 on others")
+    device: str = opt("cpu", "cpu, cuda or cuda:N")
+    page_size: int = opt(16, "tokens per KV page (a power of two)")
+    kv_cache_gb: float = opt(1.0, "GiB for the full-attention KV pages of running sequences")
+    max_num_seqs: int = opt(64, "running sequences at most")
+    # vLLM's online-serving default.
+    max_num_batched_tokens: int = opt(2048, "tokens a step computes at most (chunked prefill): a longer prompt is "
+                                      "prefilled in chunks, each step also running the decodes")
+    prefill_pack_tokens: int = opt(256, "a step takes further prompts only up to this many prompt tokens in all "
+                                   "(its first prompt chunk may take the whole budget): prompts are prefilled one "
+                                   "after another, each first token sooner; 0: prompts fill the budget")
+    max_model_len: int = opt(0, "longest sequence; 0: the model's, capped by the KV pool")
+    num_threads: int = opt(0, "torch intra-op threads; 0: torch's default (the launcher: cores / ranks)")
+    # Off by default in the engine: its size must be planned against host RAM and the ranks per
+    # host (the launcher does: hicache/host_plan.py).
+    hicache_size_gb: float = opt(0.0, "host KV cache: GiB of shared memory for prefix pages and SWA states "
+                                 "(hicache/); 0: none")
+    hicache_state_slots: int = opt(16, "SWA states the host cache holds (hybrid models only), out of its size")
+    hicache_shm_name: str = opt("", "the host cache's file under /dev/shm; empty: pdserve-hicache-<pid>-<random>")
+    hicache_scope: Literal["rank", "host"] = opt("rank", "rank: a private host cache; host: the ranks naming the "
+                                                 "same --hicache-shm-name share one pool and prefix index, "
+                                                 "--hicache-size-gb being the host's")
+    kv_store: str = opt("", "the L3 tier behind the host cache (hicache/store.py): file:DIR keeps every stored page "
+                        "in DIR (the ranks of a host, and the next start, share it); mooncake: a Mooncake Store "
+                        "the launcher starts; mooncake://HOST:PORT?metadata=URL: an existing one; empty: none")
+    kv_store_size_gb: float = opt(0.0, "file: the store's capacity (0: a quarter of its disk's free space, at most "
+                                  "64); mooncake: the memory each rank lends the store (0: 1 GiB)")
+    shared_weights_dir: str = opt("", "tmpfs directory where the ranks of one host map one read-only copy of the "
+                                  "weights (engine/shared_weights.py); empty: a private copy (the launcher sets it)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -263,21 +264,9 @@ class EngineConfig:
 
 
 def add_cli_args(parser, cls=EngineConfig, prefix: str = "") -> None:
-    """Add one `--flag` per dataclass field, defaults and types from the field."""
-    for f in fields(cls):
-        flag = "--" + prefix + f.name.replace("_", "-")
-        kind = _parse_bool if isinstance(f.default, bool) else type(f.default)
-        parser.add_argument(flag, type=kind, default=f.default, dest=prefix + f.name)
-
-
-def _parse_bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
+    """One `--flag` per field, with its help, type and choices (cluster/cli_args.py)."""
+    add_dataclass_args(parser, cls, prefix)
 
 
 def from_cli_args(args, cls=EngineConfig, prefix: str = ""):
-    return cls(**{f.name: getattr(args, prefix + f.name) for f in fields(cls)})
+    return from_args(args, cls, prefix)

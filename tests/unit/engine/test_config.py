@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -60,8 +61,12 @@ def test_engine_config_validation_and_cli_roundtrip():
     assert EngineConfig(dtype="fp32").dtype == "float32"
     ap = argparse.ArgumentParser()
     add_cli_args(ap, EngineConfig)
-    cfg = from_cli_args(ap.parse_args(["--page-size", "32", "--max-num-seqs", "7"]), EngineConfig)
-    assert cfg.page_size == 32 and cfg.max_num_seqs == 7
+    cfg = from_cli_args(ap.parse_args(["--page-size", "32", "--max-num-seqs", "7", "--hicache-scope", "host"]),
+                        EngineConfig)
+    assert cfg.page_size == 32 and cfg.max_num_seqs == 7 and cfg.hicache_scope == "host"
+    with pytest.raises(SystemExit):  # a choice outside the field's Literal
+        ap.parse_args(["--hicache-scope", "cluster"])
+    assert [f.name for f in dataclasses.fields(EngineConfig) if not f.metadata.get("help")] == []  # every flag: help
 
 
 def test_dtype_auto_is_bf16_only_where_it_runs_natively(monkeypatch):
@@ -103,9 +108,9 @@ def test_ray_mode_configs_and_the_missing_ray_message(monkeypatch):
     with pytest.raises(ValueError, match="spread or pack"):
         L.LaunchConfig(ray="auto", ray_placement="round")
     monkeypatch.setattr(ray_ranks, "connect", lambda address: "10.1.2.3")
-    cfg, launch, eng = L._on_ray(RouterConfig(), L.LaunchConfig(ray="auto", prefill=1, decode=1),
-                                 EngineConfig(num_threads=2))
-    assert cfg.rank_addr == "tcp://10.1.2.3:*" and eng.num_threads == 2
+    cfg, launch, eng, node_ip = L._on_ray(RouterConfig(), L.LaunchConfig(ray="auto", prefill=1, decode=1),
+                                          EngineConfig(num_threads=2))
+    assert cfg.rank_addr == "tcp://10.1.2.3:*" and eng.num_threads == 2 and node_ip == "10.1.2.3"
     assert (launch.prefill_host, launch.decode_host) == (ray_ranks.NODE_IP, ray_ranks.NODE_IP)
     assert not (launch.lend_cores or launch.pin_cores or launch.share_weights)
     cmd = L.rank_command(eng, launch, "decode", 0, cfg.rank_addr, core_board="", cpus=[0, 1])
