@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_pd.py [--lens 512 2048 8192] [--transfer nixl shm] [--repeats 7]
                                        [--max-tokens 16] [--model smollm2-135m-instruct] [--compare-root DIR]
 
-Starts every system at once with pd_server.launch (colocated: the same-run reference, then
+Starts every system at once with launcher.launch (colocated: the same-run reference, then
 one 1P1D system per transfer backend; 1 torch thread per rank, so a PD pair and the
 colocated rank compute at the same speed), then sends one streamed request at a time,
 interleaved: each round draws one random prompt (no prefix reuse) and sends it to every
@@ -56,7 +56,7 @@ def free_port() -> int:
 def start(args, ranks: list[str], run_dir: Path, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
     port = free_port()
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pd_server.launch", *ranks, "--port", str(port), "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "launcher.launch", *ranks, "--port", str(port), "--run-dir", str(run_dir),
            "--model", args.model, "--num-threads", "1", "--kv-cache-gb", "0.5", "--handoff-pool-gb", "0.5",
            "--log-requests"]
     with open(run_dir / "router.log", "wb") as log:

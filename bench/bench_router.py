@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_router.py [--streams 1 64 256] [--tokens 20000] [--step-ms 25]
 
-The router runs for real (pd_server.launch) with rank_runtime/fake_rank.py behind it: no model,
+The router runs for real (launcher.launch) with rank_runtime/fake_rank.py behind it: no model,
 tokens as fast as the fake can make them. Each fake token's text is its send time, so the
 client measures what the router adds to each token (rank socket -> decode -> SSE -> HTTP).
   * throughput: fake steps back to back (the router is the bottleneck); tokens/s the
@@ -55,7 +55,7 @@ def free_port() -> int:
 
 
 def start_router(port: int, step_ms: float) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pd_server.launch", "--fake-ranks", "--colocated", "1", "--port", str(port),
+    cmd = [sys.executable, "-m", "launcher.launch", "--fake-ranks", "--colocated", "1", "--port", str(port),
            "--fake-step-ms", str(step_ms), "--max-inflight-per-rank", "4096"]
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -5,7 +5,7 @@ then checks that nothing leaked or broke.
                                    [--out soak.md] [--launch-args "--transfer shm"] [mix/threshold flags]
     .venv/bin/python bench/soak.py --url http://127.0.0.1:8000 [--router-pid PID] ...
 
-Without --url it starts a system itself (`python -m pd_server.launch`, its own process group,
+Without --url it starts a system itself (`python -m launcher.launch`, its own process group,
 logs in --run-dir) and stops it at the end: --mode colocated --ranks N (default 2) starts N
 colocated ranks, --mode pd --ranks N (default 1) N prefill + N decode ranks; each with
 --num-threads, --kv-cache-gb, --max-num-seqs and the launcher's host cache. With --url it
@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--num-threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--kv-cache-gb", type=float, default=0.25)
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--launch-args", default="", help="more pd_server.launch flags, one shell-quoted string")
+    ap.add_argument("--launch-args", default="", help="more launcher.launch flags, one shell-quoted string")
     ap.add_argument("--run-dir", default="", help="logs of the started system (default: a new temp dir)")
     ap.add_argument("--out", default="", help="also write the markdown report here")
     add_dataclass_args(ap, SoakConfig)
@@ -77,7 +77,7 @@ def main() -> int:
                        *shlex.split(args.launch_args)]
         run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-soak-"))
         title = f"{args.mode}, {' '.join(launch_args)}"
-        progress(f"starting: pd_server.launch {' '.join(launch_args)} (logs in {run_dir})")
+        progress(f"starting: launcher.launch {' '.join(launch_args)} (logs in {run_dir})")
         try:
             system = launch(launch_args, run_dir)
         except RuntimeError as e:

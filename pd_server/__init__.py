@@ -12,6 +12,6 @@ Data flow of one request, in file order:
     tool_parser.py  Hermes / bare JSON tool calls out of the text
     serving.py      what handlers share: ServerContext, collection, disconnect aborts, logprobs
     app.py          FastAPI routes and OpenAI-shaped errors (errors.py); metrics.py for /metrics
-    launch.py       one command: router + ranks as one process group
-    protocol/       every message between router and ranks (PROTOCOL_VERSION)
+The messages between router and ranks: cluster/protocol/ (PROTOCOL_VERSION). Starting the router
+with its ranks as one process group: launcher/ (launch.py, supervisor.py, ray_ranks.py).
 """

@@ -8,10 +8,10 @@
 # PD mode starts N prefill and M decode ranks; the decode ranks pull each prompt's KV from the
 # prefill ranks (--transfer: NIXL/UCX, or shared memory on one host; auto picks NIXL when it
 # starts). --handoff-lease-s, --handoff-pool-gb, --prefill-host and --decode-host go along.
-# Start bootstraps if needed, launches `python -m pd_server.launch` under setsid, writes
+# Start bootstraps if needed, launches `python -m launcher.launch` under setsid, writes
 # logs and the group's pid to runs/<port>/, waits until /health is 200 (every rank loaded)
 # with progress on the console, and prints the URL. Any other flag goes to the launcher
-# (see `.venv/bin/python -m pd_server.launch --help`: page size, KV size, max running
+# (see `.venv/bin/python -m launcher.launch --help`: page size, KV size, max running
 # sequences, chunked-prefill budget, max model length, routing policy, dtype, device).
 # Stop sends SIGTERM to the whole group, then SIGKILL to what is left after 10 s.
 # Faults: --supervise restarts a rank that died or hung (--max-restarts, --restart-backoff-s);
@@ -115,7 +115,7 @@ mkdir -p "$RUN_DIR"
 cd "$ROOT"
 # setsid: the launcher leads a new process group holding every rank it starts, so stop can
 # signal them all at once.
-setsid "$PY" -m pd_server.launch "${RANKS[@]}" --port "$PORT" --host "$HOST" \
+setsid "$PY" -m launcher.launch "${RANKS[@]}" --port "$PORT" --host "$HOST" \
     --run-dir "$RUN_DIR" "${PASS[@]}" </dev/null >"$RUN_DIR/router.log" 2>&1 &
 PGID=$!
 echo "$PGID" > "$PID_FILE"

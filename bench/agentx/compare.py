@@ -6,7 +6,7 @@
     (scripts/agentx_compare.sh sets up the client venv and runs this.)
 
 For each configuration in turn (one system at a time: the ranks share the machine's cores):
-  1. start it with `python -m pd_server.launch` (the project venv): `--colocated R`, or
+  1. start it with `python -m launcher.launch` (the project venv): `--colocated R`, or
      `--prefill x --decode y` with x + y = R; the same model, --kv-cache-gb, --hicache-size-gb
      and threads per rank (--threads-per-rank, 0: the launcher's cores // R) for all;
   2. wait for /health 200, scrape /metrics;
@@ -99,13 +99,13 @@ def tokenizer_dir(server_python: str, model: str) -> Path:
 
 
 class System:
-    """One pd_server.launch process group on 127.0.0.1."""
+    """One launcher.launch process group on 127.0.0.1."""
 
     def __init__(self, server_python: str, cfg: SystemConfig, common: list[str], run_dir: Path) -> None:
         self.port = process_group.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [server_python, "-m", "pd_server.launch", *cfg.launch_args(), "--port", str(self.port),
+        cmd = [server_python, "-m", "launcher.launch", *cfg.launch_args(), "--port", str(self.port),
                "--run-dir", str(run_dir), *common]
         (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
         with open(run_dir / "router.log", "wb") as log:
@@ -167,7 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hicache-size-gb", type=float, default=0.25, help="per rank, every config")
     ap.add_argument("--threads-per-rank", type=int, default=0, help="0: cores // ranks (the launcher's rule)")
     ap.add_argument("--server-arg", action="append", default=[],
-                    help="extra pd_server.launch argument for every config (repeat; e.g. --server-arg=--transfer=shm)")
+                    help="extra launcher.launch argument for every config (repeat; e.g. --server-arg=--transfer=shm)")
     ap.add_argument("--server-python", default=str(ROOT / ".venv" / "bin" / "python"))
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--stop-timeout", type=float, default=20.0)

@@ -5,7 +5,7 @@
     wait_healthy(url, proc, timeout_s)                     # RuntimeError if it exits or times out
     stop(proc, timeout_s)                                  # SIGTERM, SIGKILL after timeout_s
 
-Used by bench/agentx/compare.py (pd_server.launch) and bench/mission (vLLM's `vllm serve`).
+Used by bench/agentx/compare.py (launcher.launch) and bench/mission (vLLM's `vllm serve`).
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """The mission benchmark's driver: every configuration, started as a user starts it, under the
 same loads, repeated and interleaved, then one table.
 
-    .venv/bin/python -m bench.mission [--configs 2P2D,1P1D,colocated-2,vllm] [--config NAME='FLAGS']
+    .venv/bin/python -m bench.mission [--configs 2P2D,1P1D,colocated-2,vllm,llamacpp] [--config NAME='FLAGS']
         [--levels "1 8 32"] [--agentx-duration 120] [--agentx-concurrency 4] [--no-agentx]
         [--kv-reuse-duration 0] [--no-synthetic] [--repeats 1] [--port 0] [--seed 42] [--out runs/mission-<time>]
     (scripts/mission_bench.sh checks both venvs first and runs this.)
 
 For each repeat r, for each configuration (the list rotated by r, so none is always first
 on a cold machine):
-  1. start it (bench/mission/servers.py): pd_start.sh FLAGS --port P, or peer_vllm.sh serve;
+  1. start it (bench/mission/servers.py): pd_start.sh FLAGS --port P, or peer_vllm.sh / peer_llamacpp.sh serve;
      the start-up time is the wall time until /health is ready;
   2. the synthetic levels in order (bench/agentx/serve_bench.py `Synthetic`: the workload of
      scripts/bench_serve.sh, level i seeded --seed + i), then the AgentX replay
@@ -37,7 +37,7 @@ from pathlib import Path
 from bench import bench_kv_reuse as kv_reuse
 from bench.agentx import aiperf_client, measure, process_group, serve_bench
 from bench.mission import servers, table
-from bench.mission.configs import VLLM, Config, baseline_configs, parse_configs
+from bench.mission.configs import LLAMACPP, VLLM, Config, baseline_configs, parse_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACES = ROOT / "bench" / "traces" / "agentx_default"
@@ -103,9 +103,10 @@ def run_one(cfg: Config, rep: int, args: argparse.Namespace, tokenizer: Path, ou
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.mission", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--configs", default=f"2P2D,1P1D,colocated-2,{VLLM}",
+    ap.add_argument("--configs", default=f"2P2D,1P1D,colocated-2,{VLLM},{LLAMACPP}",
                     help="comma list: xPyD, colocated-N (suffixes -nolend, -shm, -nixl), vllm (only "
-                         "where .venv-vllm exists), or names defined with --config")
+                         "where .venv-vllm exists), llamacpp (only where scripts/peer_llamacpp.sh setup "
+                         "built it), or names defined with --config")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                     help="define NAME as scripts/pd_start.sh FLAGS (repeatable), e.g. "
                          "--config \"2P2D-64=--prefill 2 --decode 2 --max-num-seqs 64\"")
@@ -128,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default="", help=f"every server's model (empty: the scripts' default, {DEFAULT_MODEL})")
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="aiperf's tokenizer dir (None: the engine's cached dir for the model)")
-    ap.add_argument("--ratio-to", default=f"colocated-2,{VLLM}", help="reference configurations of the ratio columns")
+    ap.add_argument("--ratio-to", default=f"colocated-2,{VLLM},{LLAMACPP}", help="reference configurations of the ratio columns")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds a start may take to /health ready")
     ap.add_argument("--stop-timeout", type=float, default=30.0, help="vLLM: seconds after SIGTERM before SIGKILL")
     ap.add_argument("--out", type=Path, default=None, help="output dir (None: runs/mission-<time>)")
@@ -167,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     skipped = {}
     configs = []
     for c in args.config_list:
-        if c.peer == VLLM and not servers.vllm_available():
-            skipped[c.name] = f"{servers.VLLM_VENV} is missing (scripts/peer_vllm.sh setup makes it)"
+        if c.peer and (why := servers.peer_missing(c.peer)):
+            skipped[c.name] = why
         else:
             configs.append(c)
     for name, why in skipped.items():

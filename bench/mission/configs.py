@@ -1,13 +1,14 @@
 """The serving configurations of a mission run, by name.
 
-    parse_configs("2P2D,1P1D,colocated-2,vllm", ["2P2D-big=--prefill 2 --decode 2 --max-num-seqs 64"])
+    parse_configs("2P2D,1P1D,colocated-2,vllm,llamacpp", ["2P2D-big=--prefill 2 --decode 2 --max-num-seqs 64"])
 
 Built-in names (case-insensitive):
   * `xPyD`          -> scripts/pd_start.sh --prefill x --decode y
   * `colocated-N`   -> scripts/pd_start.sh --colocated N
   * either with suffixes `-nolend` (--no-lend-cores), `-shm` / `-nixl` (--transfer shm|nixl),
     e.g. `2P2D-nolend`;
-  * `vllm`          -> scripts/peer_vllm.sh serve (only where `.venv-vllm` exists).
+  * `vllm`          -> scripts/peer_vllm.sh serve (only where `.venv-vllm` exists);
+  * `llamacpp`      -> scripts/peer_llamacpp.sh serve (only where its setup has built llama-server).
 `NAME=FLAGS` (the --config flag) defines NAME as pd_start.sh FLAGS (shell words); a defined
 name wins over a built-in one and is run after the --configs list if that does not name it.
 Leading `VAR=value` words are set in pd_start.sh's environment, as in a shell (e.g.
@@ -19,7 +20,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
-VLLM = "vllm"
+VLLM, LLAMACPP = "vllm", "llamacpp"
+PEERS = (VLLM, LLAMACPP)  # other servers, each started by scripts/peer_<name>.sh serve
 SUFFIXES = {"nolend": ("--no-lend-cores",), "shm": ("--transfer", "shm"), "nixl": ("--transfer", "nixl")}
 _PD = re.compile(r"^(\d+)p(\d+)d$")
 _COLOCATED = re.compile(r"^colocated-(\d+)$")
@@ -30,10 +32,10 @@ _RESERVED = ("--port", "--host")
 @dataclass(frozen=True)
 class Config:
     name: str
-    flags: tuple[str, ...] = ()  # scripts/pd_start.sh flags; empty for the vLLM peer
+    flags: tuple[str, ...] = ()  # scripts/pd_start.sh flags; empty for a peer
     env: tuple[tuple[str, str], ...] = ()  # set in pd_start.sh's environment
     root: str = ""  # the checkout whose pd_start.sh starts it ("": this one; a baseline's: another)
-    peer: str = ""  # "vllm": started with scripts/peer_vllm.sh serve instead
+    peer: str = ""  # one of PEERS: started with scripts/peer_<peer>.sh serve instead
 
 
 def builtin(name: str) -> Config:
@@ -41,14 +43,14 @@ def builtin(name: str) -> Config:
     base, *suffixes = name.lower().split("-")
     if base == "colocated" and suffixes:  # "colocated-2[-nolend]": the count is part of the base
         base = f"colocated-{suffixes.pop(0)}"
-    if base == VLLM and not suffixes:
-        return Config(name, peer=VLLM)
+    if base in PEERS and not suffixes:
+        return Config(name, peer=base)
     if m := _PD.match(base):
         flags: tuple[str, ...] = ("--prefill", m.group(1), "--decode", m.group(2))
     elif m := _COLOCATED.match(base):
         flags = ("--colocated", m.group(1))
     else:
-        raise ValueError(f"unknown config {name!r}: use xPyD, colocated-N, vllm (suffixes "
+        raise ValueError(f"unknown config {name!r}: use xPyD, colocated-N, {', '.join(PEERS)} (suffixes "
                          f"{', '.join('-' + s for s in SUFFIXES)}) or define it with --config NAME='FLAGS'")
     if "0" in flags[1::2]:
         raise ValueError(f"config {name!r}: rank counts must be positive")

@@ -9,8 +9,8 @@ pdserve: `scripts/pd_start.sh FLAGS --port P` (it bootstraps, launches the group
 waits for /health "ok", writes runs/<P>/), `scripts/pd_start.sh stop --port P` (SIGTERM, SIGKILL
 after 10 s). The start-up time is that command's wall time: what a user waits for. The logs
 under runs/<P>/ end up in the run's `server/` (moved when this start made that directory).
-vLLM: `scripts/peer_vllm.sh serve --port P` in its own process group, /health polled, the group
-stopped with bench/agentx/process_group.py.
+Peers (vLLM, llama.cpp's server): `scripts/peer_<name>.sh serve --port P` in its own process
+group, /health polled, the group stopped with bench/agentx/process_group.py.
 """
 from __future__ import annotations
 
@@ -22,17 +22,21 @@ import time
 from pathlib import Path
 
 from bench.agentx import process_group
-from bench.mission.configs import VLLM, Config
+from bench.mission.configs import LLAMACPP, VLLM, Config
 
 ROOT = Path(__file__).resolve().parents[2]
-PEER_VLLM = ROOT / "scripts" / "peer_vllm.sh"
 VLLM_VENV = ROOT / ".venv-vllm"
+LLAMACPP_BIN = Path(os.environ.get("PD_LLAMACPP_DIR", Path.home() / ".cache" / "pdserve" / "llamacpp")) / "build" / "bin"
 
 
-def vllm_available() -> bool:
-    """True where scripts/peer_vllm.sh setup has made its venv (serve would otherwise set it up:
-    ~4 GB, minutes)."""
-    return (VLLM_VENV / "bin" / "vllm").exists()
+def peer_missing(peer: str) -> str:
+    """Why `peer` cannot start without its setup (serve would run that first: GBs or minutes of
+    building), or "" when it can."""
+    if peer == VLLM and not (VLLM_VENV / "bin" / "vllm").exists():
+        return f"{VLLM_VENV} is missing (scripts/peer_vllm.sh setup makes it)"
+    if peer == LLAMACPP and not (LLAMACPP_BIN / "llama-server").exists():
+        return f"{LLAMACPP_BIN}/llama-server is missing (scripts/peer_llamacpp.sh setup builds it)"
+    return ""
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -103,23 +107,24 @@ class PdStart:
                 shutil.copy2(f, dest / f.name)
 
 
-class VllmPeer:
-    def __init__(self, port: int, model: str, run_dir: Path, stop_timeout_s: float) -> None:
-        self.run_dir, self.stop_timeout_s = run_dir, stop_timeout_s
+class Peer:
+    def __init__(self, peer: str, port: int, model: str, run_dir: Path, stop_timeout_s: float) -> None:
+        self.peer, self.run_dir, self.stop_timeout_s = peer, run_dir, stop_timeout_s
         self.url = f"http://127.0.0.1:{port}"
-        self.command = [str(PEER_VLLM), "serve", "--port", str(port), *(["--model", model] if model else [])]
+        self.command = [str(ROOT / "scripts" / f"peer_{peer}.sh"), "serve", "--port", str(port),
+                        *(["--model", model] if model else [])]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float) -> float:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        with open(self.run_dir / "vllm.log", "wb") as log:
+        with open(self.run_dir / f"{self.peer}.log", "wb") as log:
             self.proc = subprocess.Popen(self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         try:
             process_group.wait_healthy(self.url, self.proc, timeout_s)
         except RuntimeError as e:
-            raise RuntimeError(f"{e}:\n{_tail(self.run_dir / 'vllm.log')}") from None
+            raise RuntimeError(f"{e}:\n{_tail(self.run_dir / f'{self.peer}.log')}") from None
         return time.monotonic() - t0
 
     def stop(self) -> bool:
@@ -127,9 +132,9 @@ class VllmPeer:
 
 
 def make(cfg: Config, port: int, model: str, run_dir: Path, stop_timeout_s: float = 30.0,
-         root: Path = ROOT) -> PdStart | VllmPeer:
+         root: Path = ROOT) -> PdStart | Peer:
     """The server for `cfg` on 127.0.0.1:`port` (`model`: "" for each script's default; `root`:
     the checkout whose pd_start.sh starts it)."""
-    if cfg.peer == VLLM:
-        return VllmPeer(port, model, run_dir, stop_timeout_s)
+    if cfg.peer:
+        return Peer(cfg.peer, port, model, run_dir, stop_timeout_s)
     return PdStart(cfg, port, model, run_dir, Path(cfg.root) if cfg.root else root)

@@ -2,7 +2,7 @@
 
     rows = aggregate(runs)                  # runs: the run dicts bench/mission/cli.py writes
     text = markdown(summary)                # summary: {"runs": [...], "configs": [...], ...}
-    checks = goals(runs)                    # issue 36's goals for the default 2P2D, where measured
+    checks = goals(runs)                    # issues 36's and 58's goals for the default 2P2D, where measured
     text = phases_table(rows, runs)         # where a request's time went, from the router's /metrics
 
 A run is one start of one configuration in one repeat: {"config", "repeat", "startup_s" (float
@@ -13,7 +13,7 @@ sum); the start-up time is the configuration's median over its starts. Ratios di
 median by the reference configuration's at the same load (output tok/s: above 1 is more
 throughput; TTFT and ITL: below 1 is faster).
 
-The goals section (`goals`) checks issue 36's goals for the default 2P2D: each goal's ratio of
+The goals section (`goals`) checks issues 36's and 58's goals for the default 2P2D: each goal's ratio of
 medians decides it, and beside it the same ratio within each repeat (the configurations of one
 repeat run back to back, so a slow phase of the machine moves both sides less), which shows how
 far the repeats disagree.
@@ -107,7 +107,7 @@ def ratio(row: Row, ref: Row | None, metric: str) -> float | None:
     return None if a is None or not b else a / b
 
 
-# Issue 36's goals for the default `--prefill 2 --decode 2`: (load, metric, reference, target,
+# Issues 36's and 58's goals for the default `--prefill 2 --decode 2`: (load, metric, reference, target,
 # higher is better). The reference's row must be in the run for a goal to be checked.
 GOAL_CONFIG = "2P2D"
 GOALS = (
@@ -119,10 +119,17 @@ GOALS = (
     ("agentx", "out_tok_s", "vllm", 1.5, True),
     ("agentx", "ttft_p99", "vllm", 0.8, False),
     ("agentx", "itl_p99", "vllm", 0.3, False),
+    # Issue 58's, against llama.cpp's own server (scripts/peer_llamacpp.sh).
+    ("c1", "itl_p50", "llamacpp", 0.8, False),
+    ("c8", "out_tok_s", "llamacpp", 1.8, True),
+    ("c32", "out_tok_s", "llamacpp", 1.8, True),
+    ("agentx", "out_tok_s", "llamacpp", 1.8, True),
+    ("agentx", "ttft_p50", "llamacpp", 0.8, False),
 )
 NOLEND = "2P2D-nolend"  # where run: the default never worse than it, at any load (tok/s >= 1.0x)
 MAX_WARM_START_S = 20.0
-_GOAL_HEAD = {"out_tok_s": "tok/s", "ttft_p50": "TTFT p50", "ttft_p99": "TTFT p99", "itl_p99": "ITL p99"}
+_GOAL_HEAD = {"out_tok_s": "tok/s", "ttft_p50": "TTFT p50", "ttft_p99": "TTFT p99", "itl_p50": "ITL p50",
+              "itl_p99": "ITL p99"}
 
 
 @dataclass
@@ -142,7 +149,7 @@ def _value(run: dict, load: str, metric: str) -> float | None:
 
 
 def goals(runs: list[dict], aggregated: list[Row] | None = None) -> list[Goal]:
-    """Issue 36's goals for GOAL_CONFIG, those whose rows this run has (`aggregated`: aggregate(runs)
+    """Issues 36's and 58's goals for GOAL_CONFIG, those whose rows this run has (`aggregated`: aggregate(runs)
     where the caller has it already)."""
     rows = {(r.config, r.load): r for r in (aggregate(runs) if aggregated is None else aggregated)}
     mine = [r for r in runs if r["config"] == GOAL_CONFIG]
@@ -259,7 +266,7 @@ def markdown(summary: dict) -> str:
              table(rows, summary.get("ratio_to", [])), ""]
     checks = goals(runs, rows)
     if checks:
-        lines += [f"Issue 36's goals for {GOAL_CONFIG} (the default): measured is the ratio of medians, per "
+        lines += [f"Issues 36's and 58's goals for {GOAL_CONFIG} (the default): measured is the ratio of medians, per "
                   "repeat the same ratio within each repeat (configurations of a repeat run back to back); "
                   "the warm start is the median over the starts after the first.", "",
                   goals_table(checks), ""]

@@ -1,4 +1,4 @@
-"""The system under soak: started here (`python -m pd_server.launch` in its own process group)
+"""The system under soak: started here (`python -m launcher.launch` in its own process group)
 or found at a URL; what the soak reads from it: /health, the router's request counter in
 /metrics, and each process's memory from /proc.
 
@@ -60,13 +60,13 @@ def _group_alive(proc: subprocess.Popen) -> bool:
 
 
 def launch(launch_args: list[str], run_dir: Path, timeout_s: float = 600.0) -> Launched:
-    """Start `python -m pd_server.launch <launch_args>` on a free 127.0.0.1 port, logs in run_dir;
+    """Start `python -m launcher.launch <launch_args>` on a free 127.0.0.1 port, logs in run_dir;
     returns once /health answers 200. Stops the group and raises RuntimeError when it does not."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pd_server.launch", "--port", str(port), "--run-dir", str(run_dir), *launch_args]
+    cmd = [sys.executable, "-m", "launcher.launch", "--port", str(port), "--run-dir", str(run_dir), *launch_args]
     with open(run_dir / "router.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -1,4 +1,4 @@
-"""Real systems for end-to-end tests: `python -m pd_server.launch` (router + rank processes)
+"""Real systems for end-to-end tests: `python -m launcher.launch` (router + rank processes)
 on a free 127.0.0.1 port, in its own process group, reaped whatever happens.
 
 `colocated_system`: 2 real colocated ranks on the embedded default model (num_threads=1,
@@ -66,7 +66,7 @@ class System:
 def start_system(tmp: Path, args: list[str], timeout: float) -> System:
     port = free_port()
     tmp.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pd_server.launch", "--port", str(port), "--run-dir", str(tmp), *args]
+    cmd = [sys.executable, "-m", "launcher.launch", "--port", str(port), "--run-dir", str(tmp), *args]
     with open(tmp / "router.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -190,7 +190,7 @@ def test_supervisor_restarts_a_killed_rank_until_its_limit(tmp_path):
 def _router_only(tmp: Path, rank_addr: str, extra=()) -> subprocess.Popen:
     port = free_port()
     log = open(tmp / f"router-{port}.log", "wb")  # noqa: SIM115 - the child owns it
-    proc = subprocess.Popen([sys.executable, "-m", "pd_server.launch", "--colocated", "0", "--model", MODEL,
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.launch", "--colocated", "0", "--model", MODEL,
                              "--port", str(port), "--rank-addr", rank_addr, *extra], cwd=ROOT,
                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_server.supervisor import remove_dead_ranks_shm
+from launcher.supervisor import remove_dead_ranks_shm
 from tests.e2e.conftest import MODEL, start_system, stop_system
 from test_e2e_kv_store import STORY, chat, metric
 

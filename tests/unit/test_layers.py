@@ -3,7 +3,8 @@ cluster/ (the messages, cluster auth, flags, settings) depends on no other packa
 native/ (the kernels and their loader) only on cluster's settings; kv_transfer/ on those two;
 the ranks (rank_runtime/, and the PD roles on it, never on each other) do not import the
 router; the engine knows no rank, router, transfer backend or host cache, the host cache no
-rank, router or transfer backend."""
+rank, router or transfer backend; the router (pd_server/) no rank and no transfer backend; only
+launcher/ knows both the router and the ranks (nothing imports it)."""
 from __future__ import annotations
 
 import ast
@@ -13,14 +14,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
-    "cluster": {"pd_server", "rank_runtime", "decode", "prefill", "engine", "hicache", "kv_transfer", "native"},
-    "native": {"pd_server", "rank_runtime", "decode", "prefill", "engine", "hicache", "kv_transfer"},
-    "kv_transfer": {"pd_server", "rank_runtime", "decode", "prefill", "engine", "hicache"},
-    "rank_runtime": {"pd_server", "decode", "prefill"},
-    "prefill": {"pd_server", "decode"},
-    "decode": {"pd_server", "prefill"},
-    "engine": {"pd_server", "rank_runtime", "decode", "prefill", "kv_transfer", "hicache"},
-    "hicache": {"pd_server", "rank_runtime", "decode", "prefill", "kv_transfer"},
+    "cluster": {"pd_server", "rank_runtime", "decode", "prefill", "engine", "hicache", "kv_transfer", "native",
+                "launcher"},
+    "native": {"pd_server", "rank_runtime", "decode", "prefill", "engine", "hicache", "kv_transfer", "launcher"},
+    "kv_transfer": {"pd_server", "rank_runtime", "decode", "prefill", "engine", "hicache", "launcher"},
+    "rank_runtime": {"pd_server", "decode", "prefill", "launcher"},
+    "prefill": {"pd_server", "decode", "launcher"},
+    "decode": {"pd_server", "prefill", "launcher"},
+    "engine": {"pd_server", "rank_runtime", "decode", "prefill", "kv_transfer", "hicache", "launcher"},
+    "hicache": {"pd_server", "rank_runtime", "decode", "prefill", "kv_transfer", "launcher"},
+    "pd_server": {"rank_runtime", "decode", "prefill", "kv_transfer", "launcher"},  # the router: no rank code
 }
 
 

@@ -12,7 +12,7 @@ from bench.agentx import aiperf_client, process_group, server_metrics
 from bench.mission import table
 from bench.mission.cli import _stop_on_signal, parse_args, schedule
 from bench.mission.configs import Config, baseline_configs, builtin, parse_configs
-from bench.mission.servers import ROOT
+from bench.mission.servers import ROOT, Peer, make, peer_missing
 
 
 def _load(load: str, tok_s: float, ttft50: float, itl50: float, hit: float | None = None,
@@ -46,9 +46,19 @@ def test_builtin_names_map_to_pd_start_flags():
     assert builtin("2P2D-nolend").flags == ("--prefill", "2", "--decode", "2", "--no-lend-cores")
     assert builtin("colocated-2-nolend-shm").flags == ("--colocated", "2", "--no-lend-cores", "--transfer", "shm")
     assert builtin("vllm") == Config("vllm", peer="vllm")
-    for bad in ("3X1", "2P2D-fast", "colocated", "0P2D", "vllm-nolend"):
+    assert builtin("llamacpp") == Config("llamacpp", peer="llamacpp")
+    for bad in ("3X1", "2P2D-fast", "colocated", "0P2D", "vllm-nolend", "llamacpp-shm"):
         with pytest.raises(ValueError):
             builtin(bad)
+
+
+def test_peers_start_from_their_scripts_and_say_what_is_missing(tmp_path, monkeypatch):
+    p = make(builtin("llamacpp"), 8123, "smollm2-135m-instruct", tmp_path)
+    assert isinstance(p, Peer) and p.command == [str(ROOT / "scripts" / "peer_llamacpp.sh"), "serve", "--port",
+                                                 "8123", "--model", "smollm2-135m-instruct"]
+    monkeypatch.setattr("bench.mission.servers.LLAMACPP_BIN", tmp_path / "nothing")
+    assert "peer_llamacpp.sh setup" in peer_missing("llamacpp")
+    assert peer_missing("2P2D") == ""
 
 
 def test_config_specs_define_and_override_names():

@@ -82,7 +82,7 @@ def test_dtype_auto_is_bf16_only_where_it_runs_natively(monkeypatch):
 
 
 def test_the_launchers_pools_hold_as_many_tokens_in_float32():
-    from pd_server.launch import _pools_for_dtype
+    from launcher.launch import _pools_for_dtype
     from rank_runtime.config import HandoffConfig
 
     hand = HandoffConfig(handoff_pool_gb=0.25)
@@ -102,7 +102,7 @@ def test_ray_mode_configs_and_the_missing_ray_message(monkeypatch):
     import subprocess
     import sys
 
-    from pd_server import launch as L, ray_ranks
+    from launcher import launch as L, ray_ranks
     from pd_server.config import RouterConfig
 
     with pytest.raises(ValueError, match="spread or pack"):
@@ -118,6 +118,6 @@ def test_ray_mode_configs_and_the_missing_ray_message(monkeypatch):
     try:
         import ray  # noqa: F401
     except ImportError:
-        out = subprocess.run([sys.executable, "-m", "pd_server.launch", "--ray", "auto", "--colocated", "1"],
+        out = subprocess.run([sys.executable, "-m", "launcher.launch", "--ray", "auto", "--colocated", "1"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "scripts/setup_ray.sh" in out.stderr

@@ -17,7 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.shared_weights import PREFIX
 from native import linear as kernel
-from pd_server.launch import make_weights_dir
+from launcher.launch import make_weights_dir
 from rank_runtime.core_board import remove_stale_launcher_paths
 
 
@@ -126,7 +126,7 @@ def test_launcher_directories_of_gone_launchers_are_removed(tmp_path, monkeypatc
 
 
 def test_the_launcher_gives_its_cpu_ranks_a_directory_of_its_own(tmp_path):
-    from pd_server.launch import LaunchConfig, rank_command, shared_weights_config
+    from launcher.launch import LaunchConfig, rank_command, shared_weights_config
 
     cfg, d = shared_weights_config(EngineConfig(), LaunchConfig(colocated=2))
     try:

@@ -190,7 +190,7 @@ def test_a_killed_reader_holding_pins_or_writer_mid_write_leaves_nothing_stuck(s
 def test_the_launcher_names_one_cache_for_the_host_and_sizes_it_from_the_ram(monkeypatch, tmp_path):
     from engine.config import EngineConfig
     from hicache import host_plan
-    from pd_server.launch import _pools_for_dtype
+    from launcher.launch import _pools_for_dtype
     from rank_runtime.config import HandoffConfig
 
     monkeypatch.setattr(host_plan, "available_gib", lambda: 20.0)

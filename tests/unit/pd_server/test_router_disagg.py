@@ -160,7 +160,7 @@ def test_cost_files_measured_in_the_ranks_dtype_come_first(tmp_path):
 
     from engine.config import EngineConfig
     from pd_server.config import RouterConfig
-    from pd_server.launch import LaunchConfig, disagg_costs_for_dtype
+    from launcher.launch import LaunchConfig, disagg_costs_for_dtype
 
     pd, fp32 = LaunchConfig(prefill=1, decode=1), EngineConfig(model="smollm2-135m-instruct", dtype="float32")
     picked = disagg_costs_for_dtype(RouterConfig(), pd, fp32).disagg_costs

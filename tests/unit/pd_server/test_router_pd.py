@@ -135,7 +135,7 @@ def test_decode_pack_fills_one_rank_before_the_next_gets_any(disp):
 
 
 def test_decode_pack_auto_only_where_the_launchers_ranks_share_cores():
-    from pd_server.launch import DECODE_PACK, LaunchConfig, decode_pack_for_host
+    from launcher.launch import DECODE_PACK, LaunchConfig, decode_pack_for_host
 
     auto = RouterConfig()
     assert auto.decode_pack == -1

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from pd_server.launch import LaunchConfig, rank_command
+from launcher.launch import LaunchConfig, rank_command
 from rank_runtime.core_board import CoreBoard, board_path, create_board
 
 

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from engine.config import EngineConfig
-from pd_server.launch import LaunchConfig, rank_command
+from launcher.launch import LaunchConfig, rank_command
 from rank_runtime.config import RankConfig
 
 

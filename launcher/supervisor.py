@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pd_server.ranks import DEAD, RankRegistry
 
-log = logging.getLogger("pd_server.supervisor")
+log = logging.getLogger("launcher.supervisor")
 
 CHECK_INTERVAL_S = 0.5
 

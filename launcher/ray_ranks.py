@@ -47,7 +47,7 @@ from pathlib import Path
 from cluster import settings
 from pd_server.ranks import DEAD, RankRegistry
 
-log = logging.getLogger("pd_server.ray_ranks")
+log = logging.getLogger("launcher.ray_ranks")
 
 INSTALL_HINT = "Ray is not installed in this venv: run scripts/setup_ray.sh (pip install -e '.[ray]')"
 NODE_IP = "{node_ip}"  # in a rank's command line: replaced by its node's IP on that node
@@ -110,7 +110,7 @@ class RankHost:
         self.node = f"{socket.gethostname()} {self.node_ip} ({ctx.get_node_id()[:8]})"
         if ctx.was_current_actor_reconstructed:
             time.sleep(backoff_s)
-        from pd_server.supervisor import remove_dead_ranks_shm
+        from launcher.supervisor import remove_dead_ranks_shm
 
         remove_dead_ranks_shm()  # a rank killed with its actor (this one's last life) could not
         argv = [a.replace(NODE_IP, self.node_ip) for a in argv]
@@ -132,7 +132,7 @@ class RankHost:
         code = self.proc.wait()
         if self.stopping or code == 0:  # asked to stop (reap, or the router's Shutdown)
             return
-        from pd_server.supervisor import remove_rank_shm
+        from launcher.supervisor import remove_rank_shm
 
         remove_rank_shm([self.proc.pid])
         os._exit(1)  # the rank died: so does its actor, which Ray restarts (max_restarts)
@@ -163,7 +163,7 @@ class RankHost:
     def stop(self, grace_s: float) -> int | None:
         """Stop the rank (it may have exited on the router's Shutdown already); remove its
         shared memory. Returns its exit code."""
-        from pd_server.supervisor import remove_dead_ranks_shm, remove_rank_shm
+        from launcher.supervisor import remove_dead_ranks_shm, remove_rank_shm
 
         self.stopping = True
         p = self.proc

@@ -10,7 +10,7 @@ from cluster.protocol import PROTOCOL_VERSION
 from cluster.protocol.rank_router import Hello
 from cluster.protocol.router_rank import Reject, Welcome
 from pd_server.ranks import DEAD, LOADING, READY, RankRegistry
-from pd_server.supervisor import Supervisor, remove_dead_ranks_shm, remove_rank_shm
+from launcher.supervisor import Supervisor, remove_dead_ranks_shm, remove_rank_shm
 from rank_runtime.faults import Faults, parse_faults
 
 MODEL = "m"

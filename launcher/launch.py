@@ -1,7 +1,7 @@
 """Start a whole system in one process group: the router here, its ranks as child processes.
 
-    python -m pd_server.launch --colocated 2 [--model NAME|PATH] [--port 8000] [router flags] [engine flags]
-    python -m pd_server.launch --prefill 1 --decode 1 [--transfer auto|nixl|shm] [handoff flags] ...
+    python -m launcher.launch --colocated 2 [--model NAME|PATH] [--port 8000] [router flags] [engine flags]
+    python -m launcher.launch --prefill 1 --decode 1 [--transfer auto|nixl|shm] [handoff flags] ...
 
   1. Resolve the model once here (GGUF conversion, if any, happens before ranks start).
   2. Bind the rank socket (tcp://127.0.0.1:<free port> by default) and start each rank
@@ -49,7 +49,7 @@ from pd_server.config import RouterConfig
 from rank_runtime.config import HandoffConfig
 from rank_runtime.core_board import board_path, create_board, home_cpus, host_cpus, remove_stale_launcher_paths
 
-log = logging.getLogger("pd_server.launch")
+log = logging.getLogger("launcher.launch")
 EXIT_USAGE = 2
 HOST_CACHE_GB = 0.25  # a rank's host cache (~11k smollm2 tokens in bf16; float32: doubled, _pools_for_dtype)
 
@@ -224,7 +224,7 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, model_dir: 
     from pd_server.ranks import RankRegistry
     from pd_server.routing import make_policy
     from pd_server.serving import ServerContext
-    from pd_server.supervisor import Supervisor
+    from launcher.supervisor import Supervisor
 
     from engine.model_cache import served_name
 
@@ -246,7 +246,7 @@ async def serve(cfg: RouterConfig, engine_cfg, launch: LaunchConfig, model_dir: 
         return rank_command(engine_cfg, launch, role, i, addr, handoff, board, cpus)
 
     if launch.ray:
-        from pd_server.ray_ranks import RayRanks
+        from launcher.ray_ranks import RayRanks
 
         try:
             sup = RayRanks(registry, command, launch.roles, engine_cfg.num_threads,
@@ -327,7 +327,7 @@ def _on_ray(cfg: RouterConfig, launch: LaunchConfig, engine_cfg):
     node's IP, each rank's --host its own node's IP, no core lending, pinning or weight file
     (they assume one host), threads from the cluster's CPUs; and this node's IP (where a
     Mooncake master started here listens). RuntimeError: cannot connect."""
-    from pd_server import ray_ranks
+    from launcher import ray_ranks
 
     node_ip = ray_ranks.connect(launch.ray)
     if cfg.rank_addr.startswith("tcp://127."):
