@@ -13,7 +13,7 @@ TOPS = ("pd_server", "prefill", "decode", "hicache", "engine", "cluster", "kv_tr
 PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(TOPS)})/[\w./-]*\w)")
 NAME = re.compile(r"(?<![\w./-])([A-Za-z_][\w-]*\.(?:py|sh|cpp|h|cu|md|toml))\b")
 PROSE = {"prefill/decode"}  # words that look like paths
-OUTPUTS = {"soak.md"}  # files a documented command writes
+OUTPUTS = {"soak.md", "llama.cpp"}  # files a documented command writes; a project's name
 
 
 def _docs() -> list[Path]:
