@@ -322,26 +322,6 @@ def _pools_for_dtype(engine_cfg, handoff: HandoffConfig, argv: list[str], num_ra
     return engine_cfg, handoff
 
 
-def _on_ray(cfg: RouterConfig, launch: LaunchConfig, engine_cfg):
-    """Join the Ray cluster; the configs for ranks on other hosts: the rank socket on this
-    node's IP, each rank's --host its own node's IP, no core lending, pinning or weight file
-    (they assume one host), threads from the cluster's CPUs; and this node's IP (where a
-    Mooncake master started here listens). RuntimeError: cannot connect."""
-    from launcher import ray_ranks
-
-    node_ip = ray_ranks.connect(launch.ray)
-    if cfg.rank_addr.startswith("tcp://127."):
-        cfg = replace(cfg, rank_addr=f"tcp://{node_ip}:{cfg.rank_addr.rsplit(':', 1)[1]}")
-    launch = replace(launch, lend_cores=False, lend_idle_cores=False, pin_cores=False, share_weights=False,
-                     prefill_host=ray_ranks.NODE_IP, decode_host=ray_ranks.NODE_IP)
-    if engine_cfg.num_threads == 0:
-        import ray
-
-        cpus = int(ray.cluster_resources().get("CPU", 1))
-        engine_cfg = replace(engine_cfg, num_threads=max(1, cpus // launch.num_ranks))
-    return cfg, launch, engine_cfg, node_ip
-
-
 def main(argv: list[str] | None = None) -> int:
     from engine.config import EngineConfig, add_cli_args, from_cli_args
 
@@ -363,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     store_host = "127.0.0.1"  # --kv-store mooncake: where the master listens
     if launch.ray:
         try:
-            cfg, launch, engine_cfg, store_host = _on_ray(cfg, launch, engine_cfg)
+            from launcher.ray_ranks import configs_for_ray
+
+            cfg, launch, engine_cfg, store_host = configs_for_ray(cfg, launch, engine_cfg)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USAGE

@@ -2,9 +2,9 @@
 router; every rank runs on the node Ray picks, as the child process of a Ray actor.
 
 Life of a rank under Ray:
-  1. `connect()`: the launcher joins the cluster (`ray start --head` on one host, `ray start
-     --address ...` on the others, started by the user) as a driver; the rank socket binds
-     this node's IP instead of loopback, so ranks on other nodes reach it.
+  1. `configs_for_ray()`: the launcher joins the cluster (`connect()`; `ray start --head` on
+     one host, `ray start --address ...` on the others, started by the user) as a driver; the
+     rank socket binds this node's IP instead of loopback, so ranks on other nodes reach it.
   2. `RayRanks.start()` puts every rank in one placement group (one bundle per rank: CPU = its
      torch threads, a GPU on CUDA, and a sliver of the custom resource `pdserve_prefill` /
      `pdserve_decode` when some node offers it, so `ray start --resources
@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from cluster import settings
@@ -80,6 +81,22 @@ def connect(address: str):
     log.info("Ray cluster %s: %d node(s), %s CPU, %s GPU; this node %s", address, len(ray.nodes()),
              res.get("CPU", 0), res.get("GPU", 0), ip)
     return ip
+
+
+def configs_for_ray(cfg, launch, engine_cfg):
+    """Join the Ray cluster (launch.ray); the launcher's configs for ranks on other hosts: the
+    rank socket on this node's IP, each rank's --host its own node's IP, no core lending,
+    pinning or weight file (they assume one host), threads from the cluster's CPUs; and this
+    node's IP (where a Mooncake master started here listens). RuntimeError: cannot connect."""
+    node_ip = connect(launch.ray)
+    if cfg.rank_addr.startswith("tcp://127."):
+        cfg = replace(cfg, rank_addr=f"tcp://{node_ip}:{cfg.rank_addr.rsplit(':', 1)[1]}")
+    launch = replace(launch, lend_cores=False, lend_idle_cores=False, pin_cores=False, share_weights=False,
+                     prefill_host=NODE_IP, decode_host=NODE_IP)
+    if engine_cfg.num_threads == 0:
+        cpus = int(import_ray().cluster_resources().get("CPU", 1))
+        engine_cfg = replace(engine_cfg, num_threads=max(1, cpus // launch.num_ranks))
+    return cfg, launch, engine_cfg, node_ip
 
 
 def _die_with_parent() -> None:  # (in the child, before exec)

@@ -108,8 +108,9 @@ def test_ray_mode_configs_and_the_missing_ray_message(monkeypatch):
     with pytest.raises(ValueError, match="spread or pack"):
         L.LaunchConfig(ray="auto", ray_placement="round")
     monkeypatch.setattr(ray_ranks, "connect", lambda address: "10.1.2.3")
-    cfg, launch, eng, node_ip = L._on_ray(RouterConfig(), L.LaunchConfig(ray="auto", prefill=1, decode=1),
-                                          EngineConfig(num_threads=2))
+    cfg, launch, eng, node_ip = ray_ranks.configs_for_ray(RouterConfig(), L.LaunchConfig(ray="auto", prefill=1,
+                                                                                         decode=1),
+                                                          EngineConfig(num_threads=2))
     assert cfg.rank_addr == "tcp://10.1.2.3:*" and eng.num_threads == 2 and node_ip == "10.1.2.3"
     assert (launch.prefill_host, launch.decode_host) == (ray_ranks.NODE_IP, ray_ranks.NODE_IP)
     assert not (launch.lend_cores or launch.pin_cores or launch.share_weights)
